@@ -93,13 +93,15 @@ def split_args(argv, owners):
     return files, pairs
 
 
-def parse_config(argv, *classes, defaults=None):
-    """Build one instance of each dataclass from argv (config files, then flags, later wins).
+def parse_config(argv, *classes, defaults=None, default_file=None):
+    """Build one instance of each dataclass from argv (config files, then flags, later wins);
+    `default_file` is read when argv names no config file.
 
     Returns (instances..., given): `given` is the set of keys set explicitly, so that a script can
     tell a user's choice from a default (for example when resuming from a checkpoint)."""
     owners = fields_of(*classes)
     files, pairs = split_args(argv, owners)
+    files = files or ([default_file] if default_file else [])
     values = {key: (value, "in the script's defaults") for key, value in (defaults or {}).items()}
     for path in files:
         for key, value in read_config_file(path).items():

@@ -385,7 +385,7 @@ class DiffEqFormer(nn.Module):
         logits = F.linear(self.ln_f(x), head)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def check_steps(self, steps, solver):

@@ -1,0 +1,27 @@
+# The ODE Llama-1B (SPEC 7): ~6.6B hypernetwork parameters, so AdamW state alone is ~106 GB: sharded
+# with FSDP2 over 8 GPUs. --model_type=baseline trains the Llama it is compared with.
+# torchrun --nproc_per_node=8 train.py config/llama1b.py
+# python train.py config/llama1b.py --dry_run --gpus=8      (the memory plan, no GPU needed)
+out_dir = "out-llama1b"
+dataset = "openwebtext"
+tokenizer = "gpt2"  # the paper used Llama-2's tokenizer; with GPT-2's the embeddings are larger
+flavor = "llama"
+n_layer = 16
+n_head = 16
+n_embd = 2048
+ffn_dim = 8192
+block_size = 2048
+d_t = 96
+time_freqs = 256
+dropout = 0.1
+batch_size = 4
+gradient_accumulation_steps = 64  # 256 sequences per iteration
+max_iters = 40000
+learning_rate = 3e-4
+weight_decay = 1e-5
+eps = 1e-8
+beta2 = 0.95
+eval_interval = 1000
+eval_iters = 100
+compile = True
+parallel = "fsdp"

@@ -1,0 +1,7 @@
+# GPT-medium on WikiText-103 (SPEC 7); --model_type=baseline for GPT.
+exec(open("config/owt_gpt_medium.py").read())
+out_dir = "out-wt103-gpt-medium"
+dataset = "wikitext103"
+d_t = 48
+max_iters = 10000
+eval_interval = 500

@@ -1,0 +1,253 @@
+"""
+Turn text into token-id memmaps (nanoGPT's train.bin / val.bin) plus a meta.json.
+
+    python prepare.py                                             # tiny Shakespeare, byte tokens
+    python prepare.py --dataset=openwebtext --tokenizer=gpt2      # nanoGPT's OpenWebText recipe
+    python prepare.py --dataset=wikitext103 --tokenizer=gpt2
+    python prepare.py --dataset=mytext --input_file=a.txt,b.txt   # any local text, last 10% held out
+    python prepare.py --dataset=wt2 --input_file=../shared/data/wikitext-2/test.txt --val_file=../shared/data/wikitext-2/valid.txt
+
+The data lands in data/<dataset>_<tokenizer>/. Downloadable datasets: shakespeare, wikitext2,
+wikitext103, openwebtext; offline, point the same command at local text with --input_file.
+A directory whose meta.json records the same source and tokenizer is reused, not rebuilt.
+Differences from nanoGPT: one script for every dataset, byte tokens as well as tiktoken, and the
+meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
+"""
+import dataclasses
+import http.client
+import json
+import os
+import urllib.request
+
+import numpy as np
+import tiktoken
+from tqdm import tqdm
+
+from configurator import parse_config, run_main
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+HF_DATASETS = {  # name: (load_dataset arguments, separator that joins the rows of a split)
+    "wikitext2": (("Salesforce/wikitext", "wikitext-2-raw-v1"), ""),  # raw lines keep their "\n"
+    "wikitext103": (("dlwh/wikitext_103_detokenized",), "\n"),
+    "openwebtext": (("Skylion007/openwebtext",), None),  # documents, tokenised one by one
+}
+
+
+class DownloadError(ConnectionError, ValueError):
+    """A failed download. Also a ValueError (as io.UnsupportedOperation is both an OSError and a
+    ValueError), so that run_main prints it as the one line that says how to work offline."""
+
+
+def download_error(what, error, offline):
+    """The one-line DownloadError for a failed download: what, why, and how to do without it."""
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return DownloadError(f"could not download {what} ({reason}); offline, {offline}")
+
+
+class Tokenizer:
+    """Text <-> token ids: "byte" (the UTF-8 bytes, 256 ids) or a tiktoken encoding such as "gpt2"."""
+
+    def __init__(self, name, enc=None):
+        self.name, self.enc = name, enc
+        self.vocab_size = enc.n_vocab if enc else 256
+        self.eot = enc.eot_token if enc else None  # appended to each document of a corpus
+
+    def __reduce__(self):  # pickle by name: cheap to send to worker processes and for datasets to hash
+        return get_tokenizer, (self.name,)
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text) if self.enc else list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        if self.enc:
+            return self.enc.decode(np.asarray(ids).tolist())
+        return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def get_tokenizer(name):
+    if name == "byte":
+        return Tokenizer(name)
+    if name not in tiktoken.list_encoding_names():
+        raise ValueError(f"unknown tokenizer {name!r}; use 'byte' or a tiktoken encoding: {', '.join(tiktoken.list_encoding_names())}")
+    try:
+        return Tokenizer(name, tiktoken.get_encoding(name))
+    except OSError as e:  # tiktoken downloads each encoding once, into TIKTOKEN_CACHE_DIR
+        raise download_error(f"the {name} tokenizer", e, "set TIKTOKEN_CACHE_DIR to a folder holding its cached files, or use --tokenizer=byte") from e
+
+
+def token_dtype(vocab_size):
+    """uint16 holds GPT-2's 50,257 ids; larger vocabularies need uint32."""
+    return np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+def write_tokens(ids, path, vocab_size):
+    """Write ids as one raw array of token_dtype(vocab_size), atomically; returns how many."""
+    arr = np.asarray(ids, dtype=token_dtype(vocab_size))
+    arr.tofile(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return len(arr)
+
+
+def download_shakespeare():
+    print(f"downloading {SHAKESPEARE_URL}")
+    try:
+        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as f:
+            return f.read().decode("utf-8")
+    except (OSError, http.client.HTTPException) as e:
+        raise download_error("tiny Shakespeare", e, "point the same command at a local copy: --input_file=path/to/input.txt") from e
+
+
+def load_hf(dataset, **kwargs):
+    """A Hugging Face dataset (cached after the first download); no network is one line, not a traceback."""
+    from datasets import load_dataset  # slow to import, and only needed here
+    try:
+        return load_dataset(*HF_DATASETS[dataset][0], **kwargs)
+    except Exception as e:
+        raise download_error(f"{dataset} from Hugging Face", e, "point the same command at local text: --input_file=train.txt [--val_file=val.txt]") from e
+
+
+def read_files(paths):
+    """The text of one or more UTF-8 files, joined with newlines and otherwise unchanged."""
+    texts = []
+    for path in paths:
+        with open(path, encoding="utf-8", newline="") as f:
+            texts.append(f.read())
+    return "\n".join(texts)
+
+
+def file_source(paths):
+    """Absolute path, size and mtime of each file, so that an edited file is prepared again."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"input file {path} does not exist")
+    return ", ".join(f"{os.path.abspath(p)} ({os.path.getsize(p)} bytes, mtime {os.stat(p).st_mtime_ns})" for p in paths)
+
+
+def split_90_10(text):
+    """Hold out the last 10% of the characters as validation (no shuffling)."""
+    cut = int(len(text) * 0.9)
+    return text[:cut], text[cut:]
+
+
+def load_text(dataset, paths, val_file):
+    """(train text, val text) of local files, tiny Shakespeare or WikiText."""
+    if paths:
+        text = read_files(paths)
+        return (text, read_files([val_file])) if val_file else split_90_10(text)
+    if dataset == "shakespeare":
+        return split_90_10(download_shakespeare())
+    splits, sep = load_hf(dataset), HF_DATASETS[dataset][1]
+    return sep.join(splits["train"]["text"]), sep.join(splits["validation"]["text"])
+
+
+def tokenize_openwebtext(tok, num_proc):
+    """nanoGPT's recipe: hold out 0.05% of the documents and tokenise each one with the end-of-text
+    token appended. Returns {"train": Dataset, "val": Dataset}, with columns "ids" and "len"."""
+    split = load_hf("openwebtext", num_proc=num_proc)["train"].train_test_split(test_size=0.0005, seed=2357, shuffle=True)
+    split["val"] = split.pop("test")
+    eot = [] if tok.eot is None else [tok.eot]
+
+    def process(example):
+        ids = tok.encode(example["text"]) + eot
+        return {"ids": ids, "len": len(ids)}
+
+    return split.map(process, remove_columns=["text"], desc="tokenizing the splits", num_proc=num_proc)
+
+
+def write_shards(dset, path, vocab_size):
+    """write_tokens for a tokenised corpus too big to concatenate in memory: nanoGPT's loop over
+    1024 shards. Returns the number of tokens."""
+    n = int(np.sum(dset.with_format("numpy")["len"], dtype=np.int64))
+    arr = np.memmap(path + ".tmp", dtype=token_dtype(vocab_size), mode="w+", shape=(n,))
+    total_batches, idx = min(1024, len(dset)), 0
+    for i in tqdm(range(total_batches), desc=f"writing {path}"):
+        batch = np.concatenate(dset.shard(num_shards=total_batches, index=i, contiguous=True).with_format("numpy")["ids"])
+        arr[idx : idx + len(batch)] = batch
+        idx += len(batch)
+    arr.flush()
+    del arr
+    os.replace(path + ".tmp", path)
+    return n
+
+
+def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8):
+    """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their directory."""
+    data_dir = os.path.join(data_root, f"{dataset}_{tokenizer}")
+    paths = [p.strip() for p in input_file.split(",") if p.strip()]
+    if paths:
+        source = file_source(paths) + "; val: " + (file_source([val_file]) if val_file else "the last 10%")
+    elif val_file:
+        raise ValueError("--val_file needs --input_file (the training text)")
+    elif dataset == "shakespeare":
+        source = SHAKESPEARE_URL
+    elif dataset in HF_DATASETS:
+        source = "huggingface: " + " ".join(HF_DATASETS[dataset][0])
+    else:
+        raise ValueError(f"unknown dataset {dataset!r}; the downloadable ones are shakespeare, {', '.join(HF_DATASETS)}; any name works with --input_file=a.txt[,b.txt]")
+    meta_path = os.path.join(data_dir, "meta.json")
+    if os.path.isfile(meta_path):
+        old = load_meta(data_dir)
+        if old["source"] == source and old["tokenizer"] == tokenizer:
+            print(f"{data_dir} already holds {dataset} as {tokenizer} tokens from the same source; reusing it")
+            return data_dir
+
+    tok = get_tokenizer(tokenizer)
+    corpus = dataset == "openwebtext" and not paths  # tokenised document by document, written in shards
+    splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), load_text(dataset, paths, val_file)))
+    os.makedirs(data_dir, exist_ok=True)
+    if os.path.isfile(meta_path):
+        os.remove(meta_path)  # the .bin files are about to change: a stale meta must not describe them
+    counts = {}
+    for split, data in splits.items():
+        path = os.path.join(data_dir, f"{split}.bin")
+        if corpus:
+            counts[split] = write_shards(data, path, tok.vocab_size)
+        else:
+            print(f"tokenizing {len(data):,} characters of {split} text with {tokenizer}")
+            counts[split] = write_tokens(tok.encode(data), path, tok.vocab_size)
+        if counts[split] == 0:
+            raise ValueError(f"the {split} split of {dataset} is empty; give it more text")
+
+    meta = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
+            "dtype": np.dtype(token_dtype(tok.vocab_size)).name,
+            "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source}
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(meta_path + ".tmp", meta_path)
+    return data_dir
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist; prepare the data first, e.g. python prepare.py --dataset=shakespeare")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_tokens(data_dir, split):
+    """The token ids of a split ("train" or "val") as a read-only memmap."""
+    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=load_meta(data_dir)["dtype"], mode="r")
+
+
+@dataclasses.dataclass
+class PrepareConfig:
+    dataset: str = "shakespeare"  # shakespeare, wikitext2, wikitext103, openwebtext, or any name with input_file
+    tokenizer: str = "byte"  # "byte" or a tiktoken encoding ("gpt2")
+    input_file: str = ""  # local text: one path or several comma-separated ones
+    val_file: str = ""  # local validation text; without it the last 10% of input_file is held out
+    data_root: str = "data"
+    num_proc: int = 8  # processes for the Hugging Face datasets (openwebtext)
+
+
+def main(argv):
+    cfg, _given = parse_config(argv, PrepareConfig)
+    data_dir = prepare(**dataclasses.asdict(cfg))
+    meta = load_meta(data_dir)
+    print(f"{data_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+          f"({meta['tokenizer']}, vocab {meta['vocab_size']}, {meta['dtype']})")
+
+
+if __name__ == "__main__":
+    run_main(main)

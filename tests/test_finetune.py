@@ -1,0 +1,113 @@
+"""finetune.py: materialise + LoRA is exact at init, trains only adapters, merges, and runs end to end."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import finetune
+import prepare
+import runtime
+import train
+from model import PRESETS, DiffEqFormer, ModelConfig
+
+from conftest import ROOT
+
+
+def random_ode(**overrides):
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**{**PRESETS["tiny"], **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def tokens():
+    return torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+def test_lora_with_zero_b_starts_at_the_ode(flavor):
+    ode = random_ode(flavor=flavor)
+    layers = finetune.add_lora(ode.materialize(), finetune.FinetuneConfig(lora_rank=4)).eval()
+    assert all(torch.count_nonzero(p) == 0 for n, p in layers.named_parameters() if n.endswith(".B"))
+    assert (ode(tokens())[0] - layers(tokens())[0]).abs().max() < 1e-5
+
+
+def test_one_step_changes_only_adapters_and_merge_is_exact():
+    layers = finetune.add_lora(random_ode().materialize(5), finetune.FinetuneConfig(lora_rank=4)).train()
+    before = {k: v.clone() for k, v in layers.state_dict().items()}
+    trainable = {n for n, p in layers.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith((".A", ".B")) for n in trainable)
+    optimizer = train.configure_optimizer(layers, train.TrainConfig(learning_rate=1e-2), torch.device("cpu"))
+    layers(tokens(), targets=tokens())[1].backward()
+    optimizer.step()
+    changed = {k for k, v in layers.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.endswith((".A", ".B")) for k in changed)
+
+    layers.eval()
+    unmerged, _ = layers(tokens())
+    finetune.merge_lora(layers)
+    merged, _ = layers(tokens())
+    assert (merged - unmerged).abs().max() < 1e-5
+    assert not any("parametrizations" in k for k in layers.state_dict())
+    with pytest.raises(ValueError, match="merged already"):
+        finetune.merge_lora(layers)
+
+
+def test_baseline_refuses_other_depths(tmp_path):
+    gpt = DiffEqFormer(ModelConfig(**{**PRESETS["tiny"], "model_type": "baseline"}))
+    path = tmp_path / "gpt.pt"
+    runtime.save_checkpoint(dict(kind=runtime.CHECKPOINT_KIND, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
+    with pytest.raises(ValueError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):
+        finetune.load_base(str(path), 9, torch.device("cpu"))
+    same, _ = finetune.load_base(str(path), 0, torch.device("cpu"))
+    assert same.cfg.n_layer == 3
+
+
+def script(*args):
+    return subprocess.run([sys.executable, "finetune.py", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_missing_and_wrong_kind_checkpoints_fail_with_one_line(tmp_path):
+    done = script(f"--init_from={tmp_path / 'none.pt'}")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "does not exist" in done.stderr
+    adapters = tmp_path / "adapters.pt"
+    torch.save({"kind": finetune.ADAPTER_KIND}, adapters)
+    done = script(f"--init_from={adapters}")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert f"holds a {finetune.ADAPTER_KIND} checkpoint" in done.stderr
+
+
+def test_steps_9_lora_end_to_end(tmp_path, shakespeare, wikitext2):
+    """Pretrain a tiny 6-step ODE on Shakespeare, fine-tune it as 9 layers with LoRA on WikiText-2,
+    then merge the adapters into an ordinary checkpoint that loads like any other."""
+    data = f"--data_root={tmp_path / 'data'}"
+    train.main(["--n_layer=6", "--n_embd=64", "--n_head=2", "--block_size=64", "--d_t=8", "--time_freqs=8",
+                "--max_iters=60", "--eval_interval=60", "--eval_iters=4", f"--input_file={shakespeare}", data,
+                f"--out_dir={tmp_path / 'pre'}"])
+    wt_train, wt_val = wikitext2
+    finetune.main(["--steps", "9", "--lora", f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", data,
+                   f"--input_file={wt_train}", f"--val_file={wt_val}", "--max_iters=40", "--eval_interval=40",
+                   "--eval_iters=4", f"--out_dir={tmp_path / 'ft'}"])
+    results = json.load(open(tmp_path / "ft" / "results.json"))
+    assert results["steps"] == 9 and results["lora"]
+    assert results["after"]["val_loss"] < results["before"]["val_loss"] - 0.05
+    adapters = runtime.load_checkpoint(str(tmp_path / "ft" / "adapters.pt"), kind=finetune.ADAPTER_KIND)
+    assert adapters["steps"] == 9 and adapters["rank"] == 8 and adapters["targets"] == "attn,proj,fc,fc2,gate,up,down"
+    assert adapters["adapters"] and all(k.endswith((".A", ".B")) for k in adapters["adapters"])
+
+    merged_path = finetune.merge_file(str(tmp_path / "ft" / "adapters.pt"))
+    merged = runtime.load_checkpoint(merged_path)
+    model = DiffEqFormer(ModelConfig(**merged["model_config"]))
+    model.load_state_dict(merged["model"])
+    assert model.cfg.model_type == "materialized" and model.cfg.n_layer == 9
+    # the merged model is the fine-tuned one: its validation loss is the run's final one
+    env = runtime.Env(torch.device("cpu"), torch.float32)
+    cfg = train.TrainConfig(eval_iters=4, batch_size=16)  # as the run (config/finetune_wikitext2.py)
+    tokens_val = prepare.load_tokens(str(tmp_path / "data" / "wikitext2_byte"), "val")
+    val = runtime.Batches(tokens_val, model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
+    loss = train.evaluate(model, {"val": val}, cfg, env)["val"]
+    assert loss == pytest.approx(results["after"]["val_loss"], abs=1e-4)

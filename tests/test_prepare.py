@@ -1,0 +1,179 @@
+"""prepare.py without the network: round trips, the uint16/uint32 switch, reuse, one-line errors."""
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")
+if os.path.isdir(os.path.join(SHARED, "tiktoken")):
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.abspath(os.path.join(SHARED, "tiktoken")))
+
+from configurator import run_main  # noqa: E402
+from prepare import DownloadError, get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens  # noqa: E402
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé → ✓\n" * 20
+
+
+def tokenizer_or_skip(name):
+    try:
+        return get_tokenizer(name)
+    except DownloadError as e:
+        pytest.skip(f"tiktoken cannot load {name} offline (point TIKTOKEN_CACHE_DIR at shared/tiktoken): {e}")
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def decoded(tok, data_dir, split):
+    return tok.decode(load_tokens(data_dir, split))
+
+
+@pytest.mark.parametrize("name", ["byte", "gpt2"])
+def test_local_text_round_trips_with_the_last_10_percent_held_out(tmp_path, name):
+    tok = tokenizer_or_skip(name)
+    data_dir = prepare("mytext", name, input_file=write(tmp_path / "a.txt", TEXT), data_root=str(tmp_path))
+    assert data_dir == os.path.join(str(tmp_path), f"mytext_{name}")
+    cut = int(len(TEXT) * 0.9)
+    assert decoded(tok, data_dir, "train") == TEXT[:cut]
+    assert decoded(tok, data_dir, "val") == TEXT[cut:]
+    meta = load_meta(data_dir)
+    assert meta["vocab_size"] == tok.vocab_size and meta["dtype"] == "uint16"
+    assert meta["train_tokens"] == len(load_tokens(data_dir, "train")) and meta["val_tokens"] == len(load_tokens(data_dir, "val"))
+
+
+def test_several_input_files_and_a_val_file(tmp_path):
+    tok = get_tokenizer("byte")
+    inputs = write(tmp_path / "a.txt", "alpha") + "," + write(tmp_path / "b.txt", "beta\r\n")
+    data_dir = prepare("mytext", "byte", input_file=inputs, val_file=write(tmp_path / "v.txt", "validation"), data_root=str(tmp_path))
+    assert decoded(tok, data_dir, "train") == "alpha\nbeta\r\n"  # joined with "\n", otherwise unchanged
+    assert decoded(tok, data_dir, "val") == "validation"
+
+
+def test_token_files_switch_to_uint32_above_65536_ids(tmp_path):
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+    ids = [0, 70_000, 99_999, 5]
+    write_tokens(ids, str(tmp_path / "big.bin"), vocab_size=100_000)
+    assert np.fromfile(tmp_path / "big.bin", dtype=np.uint32).tolist() == ids
+    write_tokens([0, 50_256, 7, 5], str(tmp_path / "small.bin"), vocab_size=50_257)
+    assert np.fromfile(tmp_path / "small.bin", dtype=np.uint16).tolist() == [0, 50_256, 7, 5]
+    assert os.path.getsize(tmp_path / "small.bin") * 2 == os.path.getsize(tmp_path / "big.bin")
+    assert not os.path.exists(tmp_path / "big.bin.tmp")
+
+
+def test_same_source_is_reused_and_a_changed_file_is_prepared_again(tmp_path, capsys):
+    path = write(tmp_path / "a.txt", TEXT)
+    data_dir = prepare("mytext", "byte", input_file=path, data_root=str(tmp_path))
+    train_bin = os.path.join(data_dir, "train.bin")
+    before = os.stat(train_bin).st_mtime_ns
+    assert prepare("mytext", "byte", input_file=path, data_root=str(tmp_path)) == data_dir
+    assert "reusing" in capsys.readouterr().out
+    assert os.stat(train_bin).st_mtime_ns == before
+    write(tmp_path / "a.txt", "a different text, long enough to hold out a tenth")
+    prepare("mytext", "byte", input_file=path, data_root=str(tmp_path))
+    assert decoded(get_tokenizer("byte"), data_dir, "train").startswith("a different text")
+    assert "reusing" not in capsys.readouterr().out
+
+
+def test_missing_files_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="input file .*nope.txt does not exist"):
+        prepare("mytext", "byte", input_file=str(tmp_path / "nope.txt"), data_root=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="meta.json does not exist; prepare the data first"):
+        load_meta(str(tmp_path))
+
+
+def test_unknown_tokenizer_and_dataset_name_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="unknown tokenizer 'bpe'; use 'byte' or a tiktoken encoding: .*gpt2"):
+        get_tokenizer("bpe")
+    with pytest.raises(ValueError, match="unknown dataset 'books'.*openwebtext; any name works with --input_file"):
+        prepare("books", "byte", data_root=str(tmp_path))
+
+
+def test_shakespeare_offline_is_one_line_that_names_input_file(tmp_path, monkeypatch, capsys):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    local = prepare("shakespeare", "byte", input_file=write(tmp_path / "input.txt", TEXT), data_root=str(tmp_path))
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(ConnectionError, match="could not download tiny Shakespeare"):
+        prepare("shakespeare", "byte", data_root=str(tmp_path))
+    assert load_meta(local)["train_tokens"] > 0  # a failed download leaves the earlier data usable
+    monkeypatch.setattr(sys, "argv", ["prepare.py", f"--data_root={tmp_path}"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--input_file=path/to/input.txt" in err
+
+
+def fake_hub(monkeypatch, splits):
+    """Replace Hugging Face's load_dataset by in-memory splits {name: [texts]}, recording its arguments."""
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_wikitext2_joins_the_raw_lines(tmp_path, monkeypatch):
+    rows = {"train": [" = Valkyria = \n", "", " Senjō no Valkyria 3 \n"], "validation": [" = Homarus = \n", " lobster \n"]}
+    calls = fake_hub(monkeypatch, rows)
+    data_dir = prepare("wikitext2", "byte", data_root=str(tmp_path))
+    assert calls[0][0] == ("Salesforce/wikitext", "wikitext-2-raw-v1")
+    assert decoded(get_tokenizer("byte"), data_dir, "train") == "".join(rows["train"])
+    assert decoded(get_tokenizer("byte"), data_dir, "val") == "".join(rows["validation"])
+
+
+def test_openwebtext_recipe_appends_end_of_text_to_each_document(tmp_path, monkeypatch):
+    tok = tokenizer_or_skip("gpt2")
+    docs = [f"document {i} says" + " hello" * (i % 5) for i in range(100)]
+    calls = fake_hub(monkeypatch, {"train": docs})
+    data_dir = prepare("openwebtext", "gpt2", data_root=str(tmp_path), num_proc=2)
+    assert calls[0] == (("Skylion007/openwebtext",), {"num_proc": 2})
+    train, val = load_tokens(data_dir, "train"), load_tokens(data_dir, "val")
+    assert len(val) > 0 and (val == tok.eot).sum() == 1  # 0.05% of 100 documents rounds up to one
+    assert (train == tok.eot).sum() == 99 and train[-1] == tok.eot
+    assert len(train) + len(val) == sum(len(tok.encode(d)) + 1 for d in docs)
+    assert sorted(tok.decode(train).split("<|endoftext|>")[:-1] + [tok.decode(val[:-1])]) == sorted(docs)
+
+
+def test_hugging_face_offline_is_one_line_that_names_input_file(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'dlwh/wikitext_103_detokenized' on the Hub\n(a second line)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError) as error:
+        prepare("wikitext103", "byte", data_root=str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "wikitext103" in message and "--input_file=train.txt [--val_file=val.txt]" in message
+
+
+def test_cli(tmp_path, capsys):
+    path = write(tmp_path / "a.txt", TEXT)
+    main(["--dataset", "x", f"--input_file={path}", f"--data_root={tmp_path}"])
+    data_dir = os.path.join(str(tmp_path), "x_byte")
+    out = capsys.readouterr().out
+    meta = json.load(open(os.path.join(data_dir, "meta.json")))
+    assert f"{data_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens" in out
+    assert meta["train_tokens"] + meta["val_tokens"] == len(TEXT.encode())
+
+
+def test_the_real_tiny_shakespeare(tmp_path):
+    path = os.path.join(SHARED, "data", "tinyshakespeare", "input.txt")
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} is absent (the shared corpora are not beside this checkout)")
+    data_dir = prepare("shakespeare", "byte", input_file=path, data_root=str(tmp_path))
+    meta = load_meta(data_dir)
+    assert meta["train_tokens"] + meta["val_tokens"] == os.path.getsize(path) and meta["vocab_size"] == 256
+    assert bytes(load_tokens(data_dir, "train")[:14].tolist()) == b"First Citizen:"

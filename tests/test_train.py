@@ -1,0 +1,171 @@
+"""train.py, configurator.py and runtime.py: the command line, real training, resuming, DDP and FSDP2."""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import runtime
+import train
+from configurator import ConfigError, parse_config
+from model import DiffEqFormer, ModelConfig
+
+from conftest import ROOT
+
+
+# -- the configurator --------------------------------------------------------------------------
+
+@dataclass
+class Opts:
+    steps: int = 18
+    lr: float = 1e-3
+    lora: bool = False
+    name: str = "x"
+
+
+def test_configurator_flag_forms_and_types(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("steps = 12\nname = 'from-file'\nimport math\n_private = 1\n")
+    opts, given = parse_config([str(cfg_file), "--steps", "9", "--lora", "--lr=2", "--name", "-x"], Opts)
+    assert (opts.steps, opts.lr, opts.lora, opts.name) == (9, 2.0, True, "-x")
+    assert type(opts.lr) is float and given == {"steps", "lr", "lora", "name"}
+    assert parse_config(["--lora", "--no-lora"], Opts)[0].lora is False
+    assert parse_config(["--lora=false"], Opts)[0].lora is False
+    assert parse_config([], Opts, default_file=str(cfg_file))[0].steps == 12
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps=9.5"], "--steps expects int, got '9.5'"),
+    (["--lora=maybe"], "--lora expects bool"),
+    (["--stpes=9"], "unknown config key 'stpes' on the command line; valid keys: lora, lr, name, steps"),
+    (["--steps"], "--steps needs a value"),
+    (["missing.py"], "config file missing.py does not exist"),
+])
+def test_configurator_errors_are_one_clear_line(argv, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(argv, Opts)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_configurator_rejects_unknown_keys_in_files(tmp_path):
+    (tmp_path / "c.py").write_text("lerning_rate = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'lerning_rate' in .*c.py"):
+        parse_config([str(tmp_path / "c.py")], Opts)
+
+
+def test_every_config_file_parses():
+    for name in sorted(os.listdir(os.path.join(ROOT, "config"))):
+        mcfg, cfg, _ = parse_config([os.path.join("config", name)], ModelConfig, train.TrainConfig)
+        assert cfg.max_iters > 0 and mcfg.n_layer > 0, name
+
+
+def test_script_errors_are_one_line():
+    out = subprocess.run([sys.executable, "train.py", "--n_head=5"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: bad model config: n_head=5 does not divide n_embd=128"]
+
+
+# -- training on real text ------------------------------------------------------------------------
+
+TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
+        "--batch_size=4", "--eval_iters=4", "--log_interval=1", "--learning_rate=3e-3", "--dataset=shakespeare"]
+
+
+def run(tmp_path, *args, out="out"):
+    train.main([*TINY, f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / out}", *args])
+    return [json.loads(line) for line in open(tmp_path / out / "log.jsonl")]
+
+
+def losses(rows):
+    return {r["iter"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
+    rows = run(tmp_path, f"--input_file={shakespeare}", "--max_iters=50", "--eval_interval=50")
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 2 and val[1] < val[0] - 0.5
+    assert os.path.getsize(tmp_path / "out" / "loss.png") > 5000
+    ckpt = runtime.load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
+
+
+def test_resume_continues_exactly(tmp_path, shakespeare):
+    common = [f"--input_file={shakespeare}", "--max_iters=10", "--eval_interval=5", "--dropout=0.1"]
+    straight = losses(run(tmp_path, *common, out="a"))
+    run(tmp_path, *common, "--stop_at=5", out="b")
+    resumed = losses(run(tmp_path, *common, "--init_from=resume", "--n_layer=7", out="b"))  # shape from the checkpoint
+    assert sorted(resumed) == list(range(10))
+    for it in range(5, 10):
+        assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
+
+
+def test_compiled_run_checkpoint_loads_into_plain_model(tmp_path, shakespeare):
+    torch._dynamo.reset()
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2", "--compile")
+    ckpt = runtime.load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
+    assert runtime.clean_state_dict({"module._orig_mod.wte.weight": 1}) == {"wte.weight": 1}
+
+
+def test_wrong_checkpoint_kind_and_missing_file(tmp_path):
+    torch.save({"kind": "lora-adapters"}, tmp_path / "a.pt")
+    with pytest.raises(ValueError, match="holds a lora-adapters checkpoint"):
+        runtime.load_checkpoint(str(tmp_path / "a.pt"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        runtime.load_checkpoint(str(tmp_path / "none.pt"))
+
+
+def test_accumulation_must_divide_among_processes(tmp_path):
+    env = runtime.Env(torch.device("cpu"), torch.float32, world_size=2)
+    model = DiffEqFormer(ModelConfig(n_layer=1, n_embd=8, n_head=1, vocab_size=8, block_size=4, d_t=2, time_freqs=2))
+    cfg = train.TrainConfig(gradient_accumulation_steps=3, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3 does not divide among 2 processes"):
+        train.fit(model, model, cfg, env, str(tmp_path), {})
+
+
+def test_learning_rate_schedule():
+    cfg = train.TrainConfig(max_iters=1000, learning_rate=1.0)
+    assert train.learning_rate(0, cfg) == pytest.approx(0.1)  # warm-up over 1% = 10 iterations
+    assert train.learning_rate(9, cfg) == pytest.approx(1.0)
+    assert train.learning_rate(1000, cfg) == pytest.approx(0.1)
+
+
+# -- distributed, on CPU with gloo -----------------------------------------------------------------
+
+def torchrun(tmp_path, *args, out):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *TINY, f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / out}", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in open(tmp_path / out / "log.jsonl")]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one(tmp_path, shakespeare, parallel):
+    common = [f"--input_file={shakespeare}", "--max_iters=5", "--eval_interval=5", "--gradient_accumulation_steps=2"]
+    single = run(tmp_path, *common, out="one")
+    double = torchrun(tmp_path, *common, f"--parallel={parallel}", out="two")
+    a, b = losses(single), losses(double)
+    assert sorted(a) == sorted(b) == list(range(5))
+    for it in a:
+        assert a[it] == pytest.approx(b[it], abs=1e-4), it
+    if parallel == "fsdp":
+        path = str(tmp_path / "converted.pt")
+        train.convert_sharded(str(tmp_path / "two" / "ckpt_sharded"), path)
+        ckpt = runtime.load_checkpoint(path)
+        reference = runtime.load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))
+        for k, v in reference["model"].items():
+            assert torch.allclose(ckpt["model"][k], v, atol=1e-4), k
+
+
+def test_dry_run_plans_llama1b(capsys):
+    mcfg, cfg, _ = parse_config(["config/llama1b.py", "--gpus=8"], ModelConfig, train.TrainConfig)
+    plan = train.dry_run(mcfg, cfg, 1)
+    assert sum(plan.values()) / 2 ** 30 < 60
+    assert "6,7" in capsys.readouterr().out  # ~6.7B parameters printed
+    with pytest.raises(ValueError, match="does not fit in 80 GiB; shard it with parallel='fsdp'"):
+        train.dry_run(mcfg, train.TrainConfig(**{**cfg.__dict__, "parallel": "ddp"}), 1)

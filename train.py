@@ -1,0 +1,463 @@
+"""
+Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
+
+    python train.py                                   # small DiffEqFormer, tiny Shakespeare, CPU, ~5 min
+    python train.py config/owt_gpt_small.py --model_type=baseline
+    torchrun --nproc_per_node=8 train.py config/llama1b.py          # FSDP2: the config sets parallel="fsdp"
+    python train.py config/llama1b.py --dry_run --gpus=8             # size the plan without memory
+
+The nanoGPT loop, as a function (`fit`) that finetune.py reuses: gradient accumulation, bf16 autocast
+on CUDA, optional torch.compile, AdamW with warm-up and cosine decay (SPEC 7), periodic evaluation,
+a tqdm bar with loss, tokens/s and MFU, a JSONL log and a loss-curve PNG, atomic checkpoints and an
+exact `--init_from=resume`. Batches and dropout masks are drawn from RNGs seeded by (seed, iteration,
+micro-step, rank), so the iteration number is the whole data position and RNG state of a run.
+"""
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import prepare
+import runtime
+from configurator import parse_config, run_main
+from model import SOLVERS, DiffEqFormer, HyperNetwork, ModelConfig, block_shapes
+
+DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
+EVAL_ITERATION = 2 ** 31  # the batches of every evaluation are those of this (never trained) iteration
+
+
+@dataclass
+class TrainConfig:
+    # output and resuming
+    out_dir: str = "out"
+    init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint file to start from
+    eval_interval: int = 200
+    eval_iters: int = 20
+    log_interval: int = 10
+    wandb: bool = False
+    wandb_project: str = "diffeqformer"
+    # data (see prepare.py); input_file / val_file point any dataset name at local text
+    dataset: str = "shakespeare"
+    tokenizer: str = "byte"
+    input_file: str = ""
+    val_file: str = ""
+    data_root: str = "data"
+    batch_size: int = 16  # sequences per micro-step and process
+    gradient_accumulation_steps: int = 1  # micro-steps per iteration, over all processes together
+    # AdamW and schedule (SPEC 7)
+    max_iters: int = 2000
+    learning_rate: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine decay ends at min_lr_ratio * learning_rate
+    warmup_frac: float = 0.01
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    # system
+    device: str = "auto"
+    dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
+    compile: bool = False
+    seed: int = 1337
+    parallel: str = "ddp"  # under torchrun: "ddp" (replicated) or "fsdp" (FSDP2, sharded)
+    dry_run: bool = False  # build on the meta device, print the plan and memory per GPU, and stop
+    gpus: int = 0  # processes to plan for in a dry run (0: the torchrun world size)
+    gpu_memory_gb: float = 80.0  # memory per GPU that a dry run plans against
+    stop_at: int = 0  # checkpoint and stop after this iteration, schedule unchanged (0: run to max_iters)
+
+    def __post_init__(self):
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"parallel={self.parallel!r}: use ddp or fsdp")
+        for name in ("max_iters", "batch_size", "gradient_accumulation_steps", "eval_iters", "eval_interval", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+
+
+# -- the plan: optimizer, schedule, cost -----------------------------------------------------------
+
+def configure_optimizer(model, cfg, device):
+    """AdamW; weight decay on matrices and embeddings, never on the hypernetwork (as the reference),
+    biases or norm gains. Frozen parameters (LoRA's base weights) are left out."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.dim() >= 2 and not n.startswith("hyper.")]
+    no_decay = [p for n, p in params if not (p.dim() >= 2 and not n.startswith("hyper."))]
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=device.type == "cuda")
+
+
+def learning_rate(it, cfg):
+    """Linear warm-up over warmup_frac of the iterations, then cosine decay to min_lr_ratio * lr."""
+    warmup = max(1, round(cfg.warmup_frac * cfg.max_iters))
+    if it < warmup:
+        return cfg.learning_rate * (it + 1) / warmup
+    progress = min(1.0, (it - warmup) / max(1, cfg.max_iters - warmup))
+    low = cfg.min_lr_ratio * cfg.learning_rate
+    return low + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - low)
+
+
+def block_params(mcfg):
+    """Parameters of one block's weights (what one solver step multiplies with)."""
+    return sum(i * o + (o if b else 0) for i, o, b in block_shapes(mcfg).values()) + 4 * mcfg.n_embd
+
+
+def flops_per_token(mcfg, hyper_params, tokens_per_forward):
+    """Training FLOPs per token (forward + backward = 3 x forward): 2 per weight per token for the
+    steps and the head, attention scores, and the hypernetwork's weight generation spread over the
+    tokens of one forward pass."""
+    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver][1]) if mcfg.is_ode else mcfg.n_layer
+    forward = 2 * (evals * block_params(mcfg) + mcfg.n_embd * mcfg.vocab_size) + 2 * evals * mcfg.block_size * mcfg.n_embd
+    forward += 2 * hyper_params * (evals if mcfg.model_type == "diffeq" else 0) / tokens_per_forward
+    return 3 * forward
+
+
+def memory_plan(model, mcfg, cfg, world):
+    """Estimated peak bytes per GPU, by part, for the chosen parallelism (bf16 compute, fp32 AdamW)."""
+    P = model.num_params()
+    units = list(model.hyper.children()) if mcfg.model_type == "diffeq" else list(getattr(model, "layers", []))
+    largest_unit = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
+    sharded = cfg.parallel == "fsdp" and world > 1
+    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver][1])
+    B, T, D = cfg.batch_size, mcfg.block_size, mcfg.n_embd
+    plan = {
+        "parameters, gradients and AdamW state (16 B/param)": 16 * P / (world if sharded else 1),
+        "one FSDP unit gathered, with its gradient": 8 * largest_unit if sharded else 0,
+        "generated weights for every step, and their gradients": 2 * 2 * evals * block_params(mcfg) if mcfg.model_type == "diffeq" else 0,
+        "activations (34 B per token and width per step; 2 with checkpointing)": (2 if mcfg.checkpoint else 34) * B * T * D * evals,
+        "logits, their fp32 copy and gradient": 10 * B * T * mcfg.vocab_size,
+    }
+    return plan
+
+
+def dry_run(mcfg, cfg, world):
+    with torch.device("meta"):
+        model = DiffEqFormer(mcfg)
+    world = cfg.gpus or world
+    plan = memory_plan(model, mcfg, cfg, world)
+    total = sum(plan.values()) / 2 ** 30
+    mode = f"{cfg.parallel.upper()} over {world} GPU{'s' * (world > 1)}"
+    print(f"model: {mcfg.model_type} ({mcfg.flavor}), {model.num_params() / 1e6:,.1f}M parameters, "
+          f"{mcfg.n_layer} steps, d_t={mcfg.d_t}")
+    print(f"tokens per iteration: {cfg.batch_size * cfg.gradient_accumulation_steps * mcfg.block_size:,} "
+          f"({cfg.batch_size} sequences x {cfg.gradient_accumulation_steps} micro-steps x {mcfg.block_size} tokens)")
+    print(f"estimated memory per GPU with {mode}:")
+    for part, b in plan.items():
+        if b:
+            print(f"  {b / 2 ** 30:8.1f} GiB  {part}")
+    print(f"  {total:8.1f} GiB  total, of {cfg.gpu_memory_gb:g} GiB")
+    if total > cfg.gpu_memory_gb:
+        hint = " with parallel='fsdp'" if cfg.parallel == "ddp" else ", a smaller batch_size or checkpoint=True"
+        raise ValueError(f"this plan needs ~{total:.0f} GiB per GPU and does not fit in {cfg.gpu_memory_gb:g} GiB; "
+                         f"shard it{hint}")
+    return plan
+
+
+# -- building and wrapping the model ---------------------------------------------------------------
+
+def shard(model):
+    """FSDP2: one unit per hypernetwork weight function (or per layer), then the root (torchtitan's order)."""
+    from torch.distributed.fsdp import fully_shard
+    units = list(model.hyper.children()) if model.cfg.model_type == "diffeq" else list(getattr(model, "layers", []))
+    for unit in units:
+        if any(True for _ in unit.parameters()):
+            fully_shard(unit)
+    fully_shard(model)
+    return model
+
+
+def build(model, cfg, env):
+    """Compile, then shard (FSDP2) or replicate (DDP). Returns (model to call, raw model)."""
+    raw = model
+    if cfg.compile:
+        model.compile()
+    if env.distributed and cfg.parallel == "fsdp":
+        model = shard(model)
+    elif env.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    return model, raw
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+def checkpoint_path(out_dir, sharded):
+    return os.path.join(out_dir, "ckpt_sharded" if sharded else "ckpt.pt")
+
+
+def save(model, raw, optimizer, state, cfg, env, extra):
+    """Write the run's checkpoint: one file (rank 0 only), or a torch.distributed.checkpoint folder
+    that every rank writes its own shards to, so 6.5B parameters are never gathered on one rank."""
+    if env.distributed and cfg.parallel == "fsdp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        final, tmp = checkpoint_path(cfg.out_dir, True), checkpoint_path(cfg.out_dir, True) + ".tmp"
+        if env.master and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        dist.barrier()
+        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(tmp, "optimizer"))
+        if env.master:
+            runtime.save_checkpoint({"kind": runtime.CHECKPOINT_KIND, **extra, **state}, os.path.join(tmp, "meta.pt"))
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        dist.barrier()
+        return
+    if env.master:
+        runtime.save_checkpoint({"kind": runtime.CHECKPOINT_KIND, **extra, **state, "model": raw.state_dict(),
+                                 "optimizer": optimizer.state_dict()}, checkpoint_path(cfg.out_dir, False))
+
+
+def load_run_checkpoint(cfg, env):
+    """The checkpoint to resume from: the single file, or the sharded folder's meta.pt (no weights)."""
+    if env.distributed and cfg.parallel == "fsdp":
+        return runtime.load_checkpoint(os.path.join(checkpoint_path(cfg.out_dir, True), "meta.pt"))
+    return runtime.load_checkpoint(checkpoint_path(cfg.out_dir, False))
+
+
+def restore(model, raw, optimizer, ckpt, cfg, env):
+    """Load model and optimizer state into the built model, from `ckpt` or the sharded folder."""
+    if env.distributed and cfg.parallel == "fsdp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+        path = checkpoint_path(cfg.out_dir, True)
+        msd = get_model_state_dict(model)
+        dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
+        set_model_state_dict(model, msd)
+        osd = get_optimizer_state_dict(model, optimizer)
+        dcp.load(osd, checkpoint_id=os.path.join(path, "optimizer"))
+        set_optimizer_state_dict(model, optimizer, osd)
+        return
+    raw.load_state_dict(runtime.clean_state_dict(ckpt["model"]))
+    optimizer.load_state_dict(ckpt["optimizer"])
+
+
+def convert_sharded(src, dst):
+    """A sharded checkpoint folder -> the ordinary single file (model only) that the other scripts load."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    meta = runtime.load_checkpoint(os.path.join(src, "meta.pt"))
+    tmp = dst + ".model.tmp"
+    dcp_to_torch_save(os.path.join(src, "model"), tmp)
+    model = torch.load(tmp, weights_only=True)
+    os.remove(tmp)
+    runtime.save_checkpoint({**meta, "model": runtime.clean_state_dict(model), "optimizer": None}, dst)
+
+
+# -- evaluation and the loop ----------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model, batches, cfg, env):
+    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation),
+    the batches divided among the processes."""
+    model.eval()
+    out = {}
+    for split, data in batches.items():
+        total = torch.zeros(2, device=env.device)
+        for i in range(env.rank, cfg.eval_iters, env.world_size):
+            x, y = data.get(EVAL_ITERATION, i)
+            with env.autocast():
+                _, loss = model(x, y)
+            total += torch.stack((loss.float(), torch.ones((), device=env.device)))
+        if env.distributed:
+            dist.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
+    model.train()
+    return out
+
+
+def plot_losses(log_path, png_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(log_path)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, style in (("loss", "-"), ("train_loss", "--"), ("val_loss", "o-")):
+        pts = [(r["iter"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), style, label=key.replace("_", " "), alpha=0.8 if key == "loss" else 1.0)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf"), optimizer=None):
+    """The training loop. `extra` is stored in every checkpoint (configs, data description).
+    Returns the evaluation history."""
+    mcfg = raw.cfg
+    if cfg.gradient_accumulation_steps % env.world_size:
+        raise ValueError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
+                         f"{env.world_size} processes; use a multiple of {env.world_size}")
+    accum = cfg.gradient_accumulation_steps // env.world_size
+    optimizer = optimizer or configure_optimizer(raw, cfg, env.device)
+    batches = {split: runtime.Batches(prepare.load_tokens(data, split), mcfg.block_size, cfg.batch_size,
+                                      env.device, cfg.seed, i) for i, split in enumerate(("train", "val"))}
+    tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
+    hyper_params = sum(p.numel() for p in raw.hyper.parameters()) if mcfg.model_type == "diffeq" else 0
+    flops_per_iter = flops_per_token(mcfg, hyper_params, cfg.batch_size * mcfg.block_size) * tokens_per_iter
+    peak = runtime.peak_flops(env.device) * env.world_size
+    log_path = os.path.join(cfg.out_dir, "log.jsonl")
+    if env.master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        if start_iter == 0 and os.path.exists(log_path):
+            os.remove(log_path)
+    wandb = None
+    if cfg.wandb and env.master:
+        import wandb
+        wandb.init(project=cfg.wandb_project, config={**asdict(cfg), **mcfg.to_dict()})
+
+    def log(row):
+        if env.master:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if wandb:
+                wandb.log(row, step=row["iter"])
+
+    history = []
+    model.train()
+    end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
+    bar = tqdm(range(start_iter, end + 1), initial=start_iter, total=cfg.max_iters,
+               disable=not env.master, dynamic_ncols=True, desc="train")
+    for it in bar:
+        if it % cfg.eval_interval == 0 or it == end:
+            losses = evaluate(model, batches, cfg, env)
+            row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"], val_ppl=math.exp(min(losses["val"], 50)))
+            history.append(row)
+            log(row)
+            if env.master:
+                bar.write(f"iter {it}: train loss {row['train_loss']:.4f}, val loss {row['val_loss']:.4f}, "
+                          f"val perplexity {row['val_ppl']:.2f}")
+            best_val_loss = min(best_val_loss, losses["val"])
+        if it > start_iter and (it % cfg.eval_interval == 0 or it == end):
+            save(model, raw, optimizer, dict(iter_num=it, best_val_loss=best_val_loss), cfg, env, extra)
+            if env.master:
+                plot_losses(log_path, os.path.join(cfg.out_dir, "loss.png"))
+        if it == end:
+            break
+        t0 = time.perf_counter()
+        lr = learning_rate(it, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(hash((cfg.seed, it, env.rank)))  # dropout masks, reproducible after a resume
+        total = torch.zeros((), device=env.device)
+        for micro in range(accum):
+            last = micro == accum - 1
+            x, y = batches["train"].get(it, micro * env.world_size + env.rank)
+            with sync(model, last, cfg, env), env.autocast():
+                _, loss = model(x, y)
+                (loss / accum).backward()
+            total += loss.detach() / accum
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if env.distributed:
+            dist.all_reduce(total)
+            total /= env.world_size
+        total = total.item()
+        dt = time.perf_counter() - t0
+        tok_s = tokens_per_iter / dt
+        mfu = flops_per_iter / dt / peak
+        bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.1e}")
+        if it % cfg.log_interval == 0:
+            log(dict(iter=it, loss=total, lr=lr, tok_s=tok_s, mfu=mfu))
+    bar.close()
+    if wandb:
+        wandb.finish()
+    return history
+
+
+def sync(model, last, cfg, env):
+    """Skip the gradient all-reduce on all micro-steps but the last (DDP: no_sync covers forward and
+    backward; FSDP2: set_requires_gradient_sync)."""
+    if env.distributed and cfg.parallel == "fsdp":
+        model.set_requires_gradient_sync(last)
+    elif env.distributed and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+# -- the script ---------------------------------------------------------------------------------------
+
+def prepare_data(cfg, env):
+    """The prepared token folder for cfg.dataset; rank 0 prepares it, the others wait."""
+    args = dict(dataset=cfg.dataset, tokenizer=cfg.tokenizer, input_file=cfg.input_file, val_file=cfg.val_file,
+                data_root=cfg.data_root)
+    error = None
+    if env.master:
+        try:
+            prepare.prepare(**args)
+        except (ValueError, OSError) as e:
+            error = e
+    if env.distributed:
+        flag = torch.tensor(int(error is not None))
+        dist.broadcast(flag, 0)
+        if flag.item() and error is None:
+            raise ValueError("rank 0 could not prepare the data")
+    if error is not None:
+        raise error
+    return os.path.join(cfg.data_root, f"{cfg.dataset}_{cfg.tokenizer}")  # prepare.prepare's folder
+
+
+def model_config_for(mcfg, cfg, env, given, data):
+    """The model config of this run: from the checkpoint when resuming or starting from one (the
+    command line cannot change a trained model's shape), else the given one with the data's vocabulary."""
+    vocab = prepare.load_meta(data)["vocab_size"]
+    if cfg.init_from != "scratch":
+        ckpt = load_run_checkpoint(cfg, env) if cfg.init_from == "resume" else runtime.load_checkpoint(cfg.init_from)
+        saved = ModelConfig(**ckpt["model_config"])
+        if saved.vocab_size < vocab:
+            raise ValueError(f"the checkpoint's vocabulary ({saved.vocab_size}) is smaller than the data's ({vocab})")
+        ignored = sorted(k for k in given if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k))
+        if ignored:
+            env.print(f"resuming: the model shape comes from the checkpoint; ignoring {', '.join('--' + k for k in ignored)}")
+        return saved, ckpt
+    if "vocab_size" not in given:
+        mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": vocab + (-vocab) % 64})  # padded to a multiple of 64
+    if mcfg.vocab_size < vocab:
+        raise ValueError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab}")
+    return mcfg, None
+
+
+def main(argv):
+    mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
+    if cfg.dry_run:
+        dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        return
+    env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
+    try:
+        data = prepare_data(cfg, env)
+        mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
+        env.print(f"model: {mcfg}\ntraining: {cfg}")
+        with torch.device(env.device):
+            model = DiffEqFormer(mcfg)
+        env.print(f"{model.num_params() / 1e6:.2f}M parameters ({mcfg.model_type}, {mcfg.flavor} flavour)")
+        if ckpt is not None and cfg.init_from != "resume":
+            model.load_state_dict(runtime.clean_state_dict(ckpt["model"]))
+            env.print(f"starting from the weights of {cfg.init_from}")
+        model, raw = build(model, cfg, env)
+        optimizer = configure_optimizer(raw, cfg, env.device)
+        start, best = 0, float("inf")
+        if cfg.init_from == "resume":
+            restore(model, raw, optimizer, ckpt, cfg, env)
+            start, best = ckpt["iter_num"], ckpt["best_val_loss"]
+            env.print(f"resumed from iteration {start}")
+        extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data, tokenizer=cfg.tokenizer)
+        fit(model, raw, cfg, env, data, extra, start, best, optimizer)
+    finally:
+        runtime.teardown()
+
+
+if __name__ == "__main__":
+    run_main(main)
