@@ -55,7 +55,7 @@ class ModelConfig:
     time_freqs: int = 128  # S, the number of sinusoid frequencies in e(t)
     solver: str = "euler"  # default solver: "euler", "midpoint" or "rk4"
     dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
-    init: str = "reference"  # "reference" (the authors') or "gpt" (B_W initialised like GPT's weights)
+    init: str = "reference"  # "reference" (the authors', the paper's runs) or "gpt" (B_W like GPT's weights)
     checkpoint: bool = False  # recompute each solver step in the backward pass (activation checkpointing)
 
     def __post_init__(self):
@@ -328,9 +328,11 @@ class DiffEqFormer(nn.Module):
     # -- initialisation (SPEC 3) -------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self):
-        """Reference init: every linear N(0, 0.02^2), biases 0 (B_W included), C_W N(0, 1e-4^2), norm
-        G, H zero; with init="gpt" B_W instead starts like a GPT weight (N(0, 0.02^2), residual
-        projections / sqrt(2 n_layer)), so that the ODE starts as a weight-shared GPT."""
+        """SPEC 3. Reference init (the default, so that the paper's runs are reproduced as they were
+        trained): every linear N(0, 0.02^2), biases 0 (B_W included), C_W N(0, 1e-4^2), norm G, H zero,
+        positions N(0, 0.01^2); the ODE starts as almost the identity map. With init="gpt", B_W starts
+        like a GPT weight (N(0, 0.02^2), residual projections / sqrt(2 n_layer)), so the ODE starts as a
+        weight-shared GPT: on tiny Shakespeare it reached a lower loss in the same iterations (README)."""
         cfg, std = self.cfg, 0.02
         resid_std = std / math.sqrt(2 * cfg.n_layer)
         for m in self.modules():

@@ -171,9 +171,14 @@ def write_shards(dset, path, vocab_size):
     return n
 
 
+def data_dir_of(data_root, dataset, tokenizer):
+    """Where a prepared dataset lives: data_root/<dataset>_<tokenizer>."""
+    return os.path.join(data_root, f"{dataset}_{tokenizer}")
+
+
 def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8):
     """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their directory."""
-    data_dir = os.path.join(data_root, f"{dataset}_{tokenizer}")
+    data_dir = data_dir_of(data_root, dataset, tokenizer)
     paths = [p.strip() for p in input_file.split(",") if p.strip()]
     if paths:
         source = file_source(paths) + "; val: " + (file_source([val_file]) if val_file else "the last 10%")

@@ -279,10 +279,11 @@ def plot_losses(log_path, png_path):
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in open(log_path)]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, style in (("loss", "-"), ("train_loss", "--"), ("val_loss", "o-")):
+    for key, style, label in (("loss", "-", "training batches"), ("train_loss", "--", "train (evaluation)"),
+                              ("val_loss", "o-", "validation")):
         pts = [(r["iter"], r[key]) for r in rows if key in r]
         if pts:
-            ax.plot(*zip(*pts), style, label=key.replace("_", " "), alpha=0.8 if key == "loss" else 1.0)
+            ax.plot(*zip(*pts), style, label=label, alpha=0.7 if key == "loss" else 1.0)
     ax.set_xlabel("iteration")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
@@ -407,7 +408,7 @@ def prepare_data(cfg, env):
             raise ValueError("rank 0 could not prepare the data")
     if error is not None:
         raise error
-    return os.path.join(cfg.data_root, f"{cfg.dataset}_{cfg.tokenizer}")  # prepare.prepare's folder
+    return prepare.data_dir_of(cfg.data_root, cfg.dataset, cfg.tokenizer)
 
 
 def model_config_for(mcfg, cfg, env, given, data):
@@ -417,11 +418,12 @@ def model_config_for(mcfg, cfg, env, given, data):
     if cfg.init_from != "scratch":
         ckpt = load_run_checkpoint(cfg, env) if cfg.init_from == "resume" else runtime.load_checkpoint(cfg.init_from)
         saved = ModelConfig(**ckpt["model_config"])
-        if saved.vocab_size < vocab:
-            raise ValueError(f"the checkpoint's vocabulary ({saved.vocab_size}) is smaller than the data's ({vocab})")
+        if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
+            raise ValueError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary {saved.vocab_size}); "
+                             f"the data is {cfg.tokenizer} tokens: use --tokenizer={ckpt.get('tokenizer')}")
         ignored = sorted(k for k in given if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k))
         if ignored:
-            env.print(f"resuming: the model shape comes from the checkpoint; ignoring {', '.join('--' + k for k in ignored)}")
+            env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join('--' + k for k in ignored)}")
         return saved, ckpt
     if "vocab_size" not in given:
         mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": vocab + (-vocab) % 64})  # padded to a multiple of 64

@@ -1,5 +1,5 @@
 # The default of `python train.py`: a small DiffEqFormer on tiny Shakespeare, bytes as tokens.
-# Trains on a laptop CPU in about five minutes.
+# Trains on a laptop CPU in about five minutes (2 cores: val loss ~2.1 nats/byte).
 out_dir = "out"
 dataset = "shakespeare"
 tokenizer = "byte"
@@ -12,10 +12,11 @@ block_size = 128
 d_t = 16
 time_freqs = 16
 dropout = 0.0
+init = "gpt"  # at this size it trains faster than the reference init (README, "Initialisation")
 
 batch_size = 16
 gradient_accumulation_steps = 1
-max_iters = 1500
+max_iters = 1000
 eval_interval = 250
 eval_iters = 20
 learning_rate = 2e-3

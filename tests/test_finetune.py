@@ -111,3 +111,19 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare, wikitext2):
     val = runtime.Batches(tokens_val, model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
     loss = train.evaluate(model, {"val": val}, cfg, env)["val"]
     assert loss == pytest.approx(results["after"]["val_loss"], abs=1e-4)
+
+
+def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
+    """Two processes fine-tune the adapters of a frozen model (DDP must not expect frozen gradients)."""
+    data = f"--data_root={tmp_path / 'data'}"
+    train.main(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}", data,
+                f"--out_dir={tmp_path / 'pre'}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "finetune.py",
+           "--steps", "3", "--lora", f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", data, f"--input_file={shakespeare}",
+           "--dataset=target", "--max_iters=3", "--eval_interval=3", "--eval_iters=2", "--batch_size=4",
+           "--gradient_accumulation_steps=2", f"--out_dir={tmp_path / 'ft'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.load(open(tmp_path / "ft" / "results.json"))
+    assert results["steps"] == 3 and len(results["history"]) == 2

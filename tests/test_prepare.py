@@ -8,12 +8,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")
-if os.path.isdir(os.path.join(SHARED, "tiktoken")):
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.abspath(os.path.join(SHARED, "tiktoken")))
-
-from configurator import run_main  # noqa: E402
-from prepare import DownloadError, get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens  # noqa: E402
+from configurator import run_main
+from prepare import DownloadError, get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé → ✓\n" * 20
 
@@ -169,10 +165,8 @@ def test_cli(tmp_path, capsys):
     assert meta["train_tokens"] + meta["val_tokens"] == len(TEXT.encode())
 
 
-def test_the_real_tiny_shakespeare(tmp_path):
-    path = os.path.join(SHARED, "data", "tinyshakespeare", "input.txt")
-    if not os.path.isfile(path):
-        pytest.skip(f"{path} is absent (the shared corpora are not beside this checkout)")
+def test_the_real_tiny_shakespeare(tmp_path, shakespeare):
+    path = shakespeare
     data_dir = prepare("shakespeare", "byte", input_file=path, data_root=str(tmp_path))
     meta = load_meta(data_dir)
     assert meta["train_tokens"] + meta["val_tokens"] == os.path.getsize(path) and meta["vocab_size"] == 256

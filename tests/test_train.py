@@ -169,3 +169,13 @@ def test_dry_run_plans_llama1b(capsys):
     assert "6,7" in capsys.readouterr().out  # ~6.7B parameters printed
     with pytest.raises(ValueError, match="does not fit in 80 GiB; shard it with parallel='fsdp'"):
         train.dry_run(mcfg, train.TrainConfig(**{**cfg.__dict__, "parallel": "ddp"}), 1)
+
+
+def test_a_failing_rank_stops_every_rank(tmp_path):
+    """Rank 0 cannot prepare the data: every rank exits with its message instead of hanging."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+           f"--data_root={tmp_path}", f"--input_file={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path / 'out'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"error: input file {tmp_path / 'missing.txt'} does not exist" in done.stderr
+    assert "error: rank 0 could not prepare the data" in done.stderr
