@@ -315,7 +315,10 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
             os.remove(log_path)
     wandb = None
     if cfg.wandb and env.master:
-        import wandb
+        try:
+            import wandb
+        except ImportError as e:
+            raise ValueError("--wandb needs the wandb package: pip install wandb") from e
         wandb.init(project=cfg.wandb_project, config={**asdict(cfg), **mcfg.to_dict()})
 
     def log(row):
