@@ -9,7 +9,8 @@ with LoRA, on new data.
 
 The default target is WikiText-2, a different corpus from the default pretraining text (tiny
 Shakespeare), as the paper fine-tunes on a different corpus than it pretrained on. The training loop
-is train.py's `fit`; all of train.py's options apply (DDP under torchrun too).
+is train.py's `fit`; all of train.py's options apply (DDP under torchrun too), and
+`--init_from=resume` continues the fine-tuning run in out_dir.
 
 LoRA follows minLoRA: a parametrization of each target nn.Linear's weight, W + (alpha/r) B A with
 B zero-initialised, so the model class is untouched and the model starts exactly at the materialised
@@ -154,11 +155,16 @@ def main(argv):
     if fcfg.merge:
         print(f"merged checkpoint: {merge_file(fcfg.merge)}")
         return
-    if cfg.init_from in ("scratch", "resume"):
-        raise ValueError(f"init_from={cfg.init_from!r}: finetune.py starts from a checkpoint file, e.g. --init_from=out/ckpt.pt")
+    if cfg.init_from == "scratch":
+        raise ValueError("finetune.py starts from a checkpoint: --init_from=PATH (or resume, to continue a fine-tuning run)")
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
     try:
-        model, base_ckpt = load_base(cfg.init_from, fcfg.steps, env.device)
+        run = None
+        if cfg.init_from == "resume":  # continue the fine-tuning run in out_dir, with its base and adapters
+            run = train.load_run_checkpoint(cfg, env, LORA_RUN_KIND if fcfg.lora else runtime.CHECKPOINT_KIND)
+            fcfg = FinetuneConfig(**run["finetune_config"])
+        base_path = run["base_checkpoint"] if run else cfg.init_from
+        model, base_ckpt = load_base(base_path, fcfg.steps, env.device)
         steps = model.cfg.n_layer
         tokenizer = base_ckpt.get("tokenizer", cfg.tokenizer)
         if "tokenizer" in given and cfg.tokenizer != tokenizer:
@@ -169,15 +175,21 @@ def main(argv):
             add_lora(model, fcfg)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        env.print(f"fine-tuning {cfg.init_from} as a {steps}-layer transformer "
+        env.print(f"fine-tuning {base_path} as a {steps}-layer transformer "
                   f"({'LoRA r=%d' % fcfg.lora_rank if fcfg.lora else 'full'}): "
                   f"{trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)")
         extra = dict(model_config=model.cfg.to_dict(), train_config=asdict(cfg), finetune_config=asdict(fcfg),
-                     data=data, tokenizer=tokenizer, base_checkpoint=os.path.abspath(cfg.init_from))
+                     data=data, tokenizer=tokenizer, base_checkpoint=os.path.abspath(base_path))
         if fcfg.lora:
             extra["kind"] = LORA_RUN_KIND
         wrapped, raw = train.build(model, cfg, env)
-        history = train.fit(wrapped, raw, cfg, env, data, extra)
+        optimizer = train.configure_optimizer(raw, cfg, env.device)
+        start, best = 0, float("inf")
+        if run:
+            train.restore(wrapped, raw, optimizer, run, cfg, env)
+            start, best = run["iter_num"], run["best_val_loss"]
+            env.print(f"resumed the fine-tuning run from iteration {start}")
+        history = train.fit(wrapped, raw, cfg, env, data, extra, start, best, optimizer)
         if env.master:
             save_results(model, fcfg, cfg, base_ckpt, extra, history, steps, trainable)
     finally:
@@ -189,7 +201,7 @@ def save_results(model, fcfg, cfg, base_ckpt, extra, history, steps, trainable):
     validation loss before and after fine-tuning."""
     path = os.path.join(cfg.out_dir, "adapters.pt" if fcfg.lora else "ckpt.pt")  # full: fit's ordinary checkpoint
     if fcfg.lora:
-        runtime.save_checkpoint(adapters_file(model, fcfg, cfg.init_from, steps), path)
+        runtime.save_checkpoint(adapters_file(model, fcfg, extra["base_checkpoint"], steps), path)
     before, after = history[0], history[-1]
     results = dict(base_checkpoint=extra["base_checkpoint"], base_model_type=base_ckpt["model_config"]["model_type"],
                    steps=steps, lora=fcfg.lora, lora_rank=fcfg.lora_rank if fcfg.lora else None, dataset=cfg.dataset,

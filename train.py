@@ -5,6 +5,7 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     python train.py config/owt_gpt_small.py --model_type=baseline
     torchrun --nproc_per_node=8 train.py config/llama1b.py          # FSDP2: the config sets parallel="fsdp"
     python train.py config/llama1b.py --dry_run --gpus=8             # size the plan without memory
+    python train.py --convert=out-llama1b/ckpt_sharded               # -> out-llama1b/ckpt.pt
 
 The nanoGPT loop, as a function (`fit`) that finetune.py reuses: gradient accumulation, bf16 autocast
 on CUDA, optional torch.compile, AdamW with warm-up and cosine decay (SPEC 7), periodic evaluation,
@@ -72,6 +73,7 @@ class TrainConfig:
     gpus: int = 0  # processes to plan for in a dry run (0: the torchrun world size)
     gpu_memory_gb: float = 80.0  # memory per GPU that a dry run plans against
     stop_at: int = 0  # checkpoint and stop after this iteration, schedule unchanged (0: run to max_iters)
+    convert: str = ""  # a sharded checkpoint folder: write the single-file ckpt.pt beside it, and stop
 
     def __post_init__(self):
         if self.parallel not in ("ddp", "fsdp"):
@@ -215,11 +217,11 @@ def save(model, raw, optimizer, state, cfg, env, extra):
                                  "optimizer": optimizer.state_dict()}, checkpoint_path(cfg.out_dir, False))
 
 
-def load_run_checkpoint(cfg, env):
+def load_run_checkpoint(cfg, env, kind=runtime.CHECKPOINT_KIND):
     """The checkpoint to resume from: the single file, or the sharded folder's meta.pt (no weights)."""
     if env.distributed and cfg.parallel == "fsdp":
-        return runtime.load_checkpoint(os.path.join(checkpoint_path(cfg.out_dir, True), "meta.pt"))
-    return runtime.load_checkpoint(checkpoint_path(cfg.out_dir, False))
+        return runtime.load_checkpoint(os.path.join(checkpoint_path(cfg.out_dir, True), "meta.pt"), kind)
+    return runtime.load_checkpoint(checkpoint_path(cfg.out_dir, False), kind)
 
 
 def restore(model, raw, optimizer, ckpt, cfg, env):
@@ -439,6 +441,13 @@ def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
     if cfg.dry_run:
         dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        return
+    if cfg.convert:
+        if not os.path.isfile(os.path.join(cfg.convert, "meta.pt")):
+            raise FileNotFoundError(f"{cfg.convert} is not a sharded checkpoint folder (it has no meta.pt)")
+        dst = os.path.join(os.path.dirname(os.path.abspath(cfg.convert)), "ckpt.pt")
+        convert_sharded(cfg.convert, dst)
+        print(f"wrote {dst}")
         return
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
     try:

@@ -127,3 +127,29 @@ def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.load(open(tmp_path / "ft" / "results.json"))
     assert results["steps"] == 3 and len(results["history"]) == 2
+
+
+def test_lora_run_resumes_exactly(tmp_path, shakespeare):
+    data = f"--data_root={tmp_path / 'data'}"
+    train.main(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}", data,
+                f"--out_dir={tmp_path / 'pre'}"])
+    common = ["--steps", "3", "--lora_dropout=0.1", f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", data,
+              f"--input_file={shakespeare}", "--dataset=target", "--max_iters=8", "--eval_interval=4",
+              "--eval_iters=2", "--batch_size=4", "--log_interval=1"]
+
+    def losses(out):
+        return {r["iter"]: r["loss"] for r in map(json.loads, open(tmp_path / out / "log.jsonl")) if "loss" in r}
+
+    finetune.main([*common, f"--out_dir={tmp_path / 'a'}"])
+    finetune.main([*common, "--stop_at=4", f"--out_dir={tmp_path / 'b'}"])
+    finetune.main([*common, "--init_from=resume", "--lora_rank=2", f"--out_dir={tmp_path / 'b'}"])  # rank from the run
+    straight, resumed = losses("a"), losses("b")
+    assert sorted(resumed) == list(range(8))
+    for it in range(4, 8):
+        assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
+    a = runtime.load_checkpoint(str(tmp_path / "a" / "adapters.pt"), kind=finetune.ADAPTER_KIND)
+    b = runtime.load_checkpoint(str(tmp_path / "b" / "adapters.pt"), kind=finetune.ADAPTER_KIND)
+    assert b["base_checkpoint"] == a["base_checkpoint"] and b["rank"] == 8
+    for k in a["adapters"]:
+        assert torch.allclose(a["adapters"][k], b["adapters"][k], atol=1e-6), k

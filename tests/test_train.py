@@ -157,7 +157,7 @@ def test_two_processes_match_one(tmp_path, shakespeare, parallel):
     # and holds the weights that one process trained
     path = str(tmp_path / "two" / "ckpt.pt")
     if parallel == "fsdp":
-        train.convert_sharded(str(tmp_path / "two" / "ckpt_sharded"), path)
+        train.main([f"--convert={tmp_path / 'two' / 'ckpt_sharded'}"])
     ckpt = runtime.load_checkpoint(path)
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
     reference = runtime.load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))
