@@ -341,3 +341,16 @@ def test_bad_step_counts_fail_clearly(steps):
 def test_too_long_sequence_fails_clearly():
     with pytest.raises(ValueError, match="longer than block_size=32"):
         DiffEqFormer(tiny())(tokens(T=33))
+
+
+def test_greedy_generation_follows_the_argmax_and_generates_weights_once():
+    model = randomized(tiny()).eval()
+    calls = []
+    model.hyper.register_forward_hook(lambda *a: calls.append(1))
+    idx = tokens(T=4, B=1)
+    out = model.generate(idx, 6, top_k=1)
+    assert out.shape == (1, 10) and torch.equal(out[:, :4], idx)
+    assert len(calls) == 1  # the eval-mode cache: one hypernetwork call for six forward passes
+    for t in range(4, 10):
+        logits, _ = model(out[:, :t])
+        assert out[0, t] == logits[0, -1].argmax()
