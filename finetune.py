@@ -14,7 +14,8 @@ is train.py's `fit`; all of train.py's options apply (DDP under torchrun too), a
 
 LoRA follows minLoRA: a parametrization of each target nn.Linear's weight, W + (alpha/r) B A with
 B zero-initialised, so the model class is untouched and the model starts exactly at the materialised
-weights. LoRA dropout drops entries of A (minLoRA's form; the block reads weights, not inputs).
+weights. The block reads weights, not inputs, so LoRA dropout is minLoRA's: it drops whole input
+columns of A, which mimics dropout on the input of the low-rank path.
 """
 import json
 import math
@@ -65,7 +66,9 @@ class LoRA(nn.Module):
         self.scale, self.dropout = alpha / rank, dropout
 
     def forward(self, W):
-        A = nn.functional.dropout(self.A, self.dropout, self.training)
+        A = self.A
+        if self.training and self.dropout > 0:
+            A = A * nn.functional.dropout(torch.ones_like(A[:1]), self.dropout)  # (1, in): whole input columns
         return W + self.scale * (self.B @ A).to(W.dtype)
 
 
@@ -157,6 +160,9 @@ def main(argv):
         return
     if cfg.init_from == "scratch":
         raise ValueError("finetune.py starts from a checkpoint: --init_from=PATH (or resume, to continue a fine-tuning run)")
+    if cfg.parallel == "fsdp":
+        raise ValueError("finetune.py runs under DDP (--parallel=ddp): a materialised model is the size of a GPT, and "
+                         "its adapters are saved from one unsharded copy")
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
     try:
         run = None
@@ -189,23 +195,24 @@ def main(argv):
             train.restore(wrapped, raw, optimizer, run, cfg, env)
             start, best = run["iter_num"], run["best_val_loss"]
             env.print(f"resumed the fine-tuning run from iteration {start}")
-        history = train.fit(wrapped, raw, cfg, env, data, extra, start, best, optimizer)
+        train.fit(wrapped, raw, cfg, env, data, extra, start, best, optimizer)
         if env.master:
-            save_results(model, fcfg, cfg, base_ckpt, extra, history, steps, trainable)
+            save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable)
     finally:
         runtime.teardown()
 
 
-def save_results(model, fcfg, cfg, base_ckpt, extra, history, steps, trainable):
+def save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable):
     """adapters.pt (LoRA; full fine-tuning leaves fit's ckpt.pt), and results.json with the
-    validation loss before and after fine-tuning."""
+    validation loss before and after fine-tuning (from the run's log, which a resumed run extends)."""
+    history = [row for row in map(json.loads, open(os.path.join(cfg.out_dir, "log.jsonl"))) if "val_loss" in row]
     path = os.path.join(cfg.out_dir, "adapters.pt" if fcfg.lora else "ckpt.pt")  # full: fit's ordinary checkpoint
     if fcfg.lora:
         runtime.save_checkpoint(adapters_file(model, fcfg, extra["base_checkpoint"], steps), path)
     before, after = history[0], history[-1]
     results = dict(base_checkpoint=extra["base_checkpoint"], base_model_type=base_ckpt["model_config"]["model_type"],
                    steps=steps, lora=fcfg.lora, lora_rank=fcfg.lora_rank if fcfg.lora else None, dataset=cfg.dataset,
-                   trainable_params=trainable, iters=cfg.max_iters, saved=path,
+                   trainable_params=trainable, iters=after["iter"], saved=path,
                    before=dict(val_loss=before["val_loss"], val_ppl=before["val_ppl"]),
                    after=dict(val_loss=after["val_loss"], val_ppl=after["val_ppl"]), history=history)
     with open(os.path.join(cfg.out_dir, "results.json"), "w") as f:

@@ -104,10 +104,12 @@ PRESETS = {
 # weights may be parameters (GPT, Llama, shared, materialised) or generated for one time t.
 
 def norm(x, weight, bias, flavor):
-    """LayerNorm (biased variance, eps 1e-5) for GPT, RMSNorm for Llama; gain and bias given."""
+    """LayerNorm (biased variance, eps 1e-5) for GPT, RMSNorm for Llama; gain and bias given (generated
+    ones come out of autocast in bf16, so they take the dtype of the residual stream)."""
+    weight = weight.to(x.dtype)
     if flavor == "llama":
         return F.rms_norm(x, (x.size(-1),), weight, EPS)
-    return F.layer_norm(x, (x.size(-1),), weight, bias, EPS)
+    return F.layer_norm(x, (x.size(-1),), weight, None if bias is None else bias.to(x.dtype), EPS)
 
 
 def rope_tables(T, head_size, device, base=10000.0):
@@ -193,10 +195,10 @@ SOLVERS = {  # name: (step function, stage times c_i as fractions of the step)
 }
 
 
-def stage_times(steps, solver, device=None, dtype=torch.float32):
-    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps."""
-    c = torch.tensor(SOLVERS[solver][1], device=device, dtype=dtype)
-    k = torch.arange(steps, device=device, dtype=dtype)[:, None]
+def stage_times(steps, solver, device=None):
+    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps, in fp32."""
+    c = torch.tensor(SOLVERS[solver][1], device=device, dtype=torch.float32)
+    k = torch.arange(steps, device=device, dtype=torch.float32)[:, None]
     return ((k + c) / steps).flatten()
 
 
@@ -204,14 +206,16 @@ def stage_times(steps, solver, device=None, dtype=torch.float32):
 # Time-dependent weights: the hypernetwork of SPEC 3.
 
 class TimeEmbedding(nn.Module):
-    """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S); (T,) -> (T, 2S+1)."""
+    """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S); (T,) -> (T, 2S+1).
+    Always in fp32: with scale 1000, the rounding of t in bf16 would scramble the sinusoids."""
 
     def __init__(self, S, scale=1000.0, max_period=10000.0):
         super().__init__()
         self.S, self.scale, self.max_period = S, scale, max_period
 
     def forward(self, ts):
-        omega = torch.exp(-math.log(self.max_period) * torch.arange(self.S, device=ts.device, dtype=ts.dtype) / self.S)
+        ts = ts.float()
+        omega = torch.exp(-math.log(self.max_period) * torch.arange(self.S, device=ts.device, dtype=torch.float32) / self.S)
         angles = self.scale * ts[:, None] * omega  # (T, S)
         return torch.cat((ts[:, None], angles.sin(), angles.cos()), dim=-1)  # (T, 2S+1)
 
@@ -273,7 +277,7 @@ class HyperNetwork(nn.Module):
             self.add_module(name, TimeDependentLinear(cfg, d_in, d_out, bias))
 
     def forward(self, ts):
-        e = self.time_embedding(ts)  # (T, 2S+1), shared by every weight
+        e = self.time_embedding(ts).to(self.ln_1.G.weight.dtype)  # (T, 2S+1), shared by every weight
         return {name: m(e) for name, m in self.named_children() if name != "time_embedding"}
 
 
@@ -426,18 +430,20 @@ class DiffEqFormer(nn.Module):
 
     def step_weights(self, steps, solver, device):
         """Block weights at every stage time, stacked (steps * stages, ...): ONE hypernet call per
-        forward. Constant for the shared model. In eval mode without autograd they are cached."""
+        forward. Constant for the shared model. In eval mode without autograd (and not compiling) they
+        are cached, keyed by the parameters' version counters: an in-place update through an optimizer
+        or `p.add_` invalidates the cache, an edit through `p.data` does not (call model.train() after one)."""
         if self.cfg.model_type == "shared":
             T = steps * len(SOLVERS[solver][1])
             return {n: tuple(None if t is None else t.expand(T, *t.shape) for t in pair)
                     for n, pair in self.block.weights().items()}
         if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self.hyper(stage_times(steps, solver, device, self.wte.weight.dtype))
+            return self.hyper(stage_times(steps, solver, device))
         key = (steps, solver, device, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type),
                tuple(p._version for p in self.hyper.parameters()), tuple(p.data_ptr() for p in self.hyper.parameters()))
         if key not in self._weight_cache:
             self._weight_cache.clear()
-            self._weight_cache[key] = self.hyper(stage_times(steps, solver, device, self.wte.weight.dtype))
+            self._weight_cache[key] = self.hyper(stage_times(steps, solver, device))
         return self._weight_cache[key]
 
     def train(self, mode=True):

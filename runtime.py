@@ -76,21 +76,25 @@ def teardown():
 
 
 def peak_flops(device):
-    """Peak dense bf16 FLOP/s of a known GPU by name, or a measured fp32 matmul rate on the CPU."""
+    """Peak dense bf16 FLOP/s of a known GPU by name; otherwise a measured matmul rate (bf16 on a GPU,
+    fp32 on the CPU)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("A10", 125e12),
                            ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12)):
             if key in name:
                 return flops
-        return 312e12
-    a = torch.randn(512, 512)
+    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
     a @ a
-    t0, n = time.perf_counter(), 0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0, count = time.perf_counter(), 0
     while time.perf_counter() - t0 < 0.2:
         a @ a
-        n += 1
-    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
+        count += 1
+    sync()
+    return 2 * n ** 3 * count / (time.perf_counter() - t0)
 
 
 # -- data ---------------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
 The nanoGPT loop, as a function (`fit`) that finetune.py reuses: gradient accumulation, bf16 autocast
 on CUDA, optional torch.compile, AdamW with warm-up and cosine decay (SPEC 7), periodic evaluation,
 a tqdm bar with loss, tokens/s and MFU, a JSONL log and a loss-curve PNG, atomic checkpoints and an
-exact `--init_from=resume`. Batches and dropout masks are drawn from RNGs seeded by (seed, iteration,
-micro-step, rank), so the iteration number is the whole data position and RNG state of a run.
+exact `--init_from=resume`. Batches are drawn from RNGs seeded by (seed, iteration, micro-step, rank)
+and dropout masks from one seeded by (seed, iteration, rank), so the iteration number is the whole
+data position and RNG state of a run.
 """
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -21,7 +23,6 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -29,10 +30,11 @@ from tqdm import tqdm
 import prepare
 import runtime
 from configurator import parse_config, run_main
-from model import SOLVERS, DiffEqFormer, HyperNetwork, ModelConfig, block_shapes
+from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
 EVAL_ITERATION = 2 ** 31  # the batches of every evaluation are those of this (never trained) iteration
+RUNTIME_KEYS = ("dropout", "checkpoint", "solver")  # model settings that may differ from a checkpoint's
 
 
 @dataclass
@@ -89,8 +91,9 @@ def configure_optimizer(model, cfg, device):
     """AdamW; weight decay on matrices and embeddings, never on the hypernetwork (as the reference),
     biases or norm gains. Frozen parameters (LoRA's base weights) are left out."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.dim() >= 2 and not n.startswith("hyper.")]
-    no_decay = [p for n, p in params if not (p.dim() >= 2 and not n.startswith("hyper."))]
+    decays = {n: p.dim() >= 2 and not n.startswith("hyper.") for n, p in params}
+    decay = [p for n, p in params if decays[n]]
+    no_decay = [p for n, p in params if not decays[n]]
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=device.type == "cuda")
@@ -124,8 +127,7 @@ def flops_per_token(mcfg, hyper_params, tokens_per_forward):
 def memory_plan(model, mcfg, cfg, world):
     """Estimated peak bytes per GPU, by part, for the chosen parallelism (bf16 compute, fp32 AdamW)."""
     P = model.num_params()
-    units = list(model.hyper.children()) if mcfg.model_type == "diffeq" else list(getattr(model, "layers", []))
-    largest_unit = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
+    largest_unit = max((sum(p.numel() for p in u.parameters()) for u in fsdp_units(model)), default=0)
     sharded = cfg.parallel == "fsdp" and world > 1
     evals = mcfg.n_layer * len(SOLVERS[mcfg.solver][1])
     B, T, D = cfg.batch_size, mcfg.block_size, mcfg.n_embd
@@ -139,12 +141,23 @@ def memory_plan(model, mcfg, cfg, world):
     return plan
 
 
-def dry_run(mcfg, cfg, world):
+def dry_run(mcfg, cfg, world, verbose=True):
+    """Print the plan (verbose) and refuse one that does not fit in gpu_memory_gb."""
     with torch.device("meta"):
         model = DiffEqFormer(mcfg)
     world = cfg.gpus or world
     plan = memory_plan(model, mcfg, cfg, world)
     total = sum(plan.values()) / 2 ** 30
+    if verbose:
+        print_plan(model, plan, total, mcfg, cfg, world)
+    if total > cfg.gpu_memory_gb:
+        hint = " with parallel='fsdp' under torchrun" if cfg.parallel == "ddp" or world == 1 else ", a smaller batch_size or checkpoint=True"
+        raise ValueError(f"this plan needs ~{total:.0f} GiB per GPU and does not fit in {cfg.gpu_memory_gb:g} GiB; "
+                         f"shard it{hint} (see --dry_run)")
+    return plan
+
+
+def print_plan(model, plan, total, mcfg, cfg, world):
     mode = f"{cfg.parallel.upper()} over {world} GPU{'s' * (world > 1)}"
     print(f"model: {mcfg.model_type} ({mcfg.flavor}), {model.num_params() / 1e6:,.1f}M parameters, "
           f"{mcfg.n_layer} steps, d_t={mcfg.d_t}")
@@ -155,22 +168,21 @@ def dry_run(mcfg, cfg, world):
         if b:
             print(f"  {b / 2 ** 30:8.1f} GiB  {part}")
     print(f"  {total:8.1f} GiB  total, of {cfg.gpu_memory_gb:g} GiB")
-    if total > cfg.gpu_memory_gb:
-        hint = " with parallel='fsdp'" if cfg.parallel == "ddp" else ", a smaller batch_size or checkpoint=True"
-        raise ValueError(f"this plan needs ~{total:.0f} GiB per GPU and does not fit in {cfg.gpu_memory_gb:g} GiB; "
-                         f"shard it{hint}")
-    return plan
 
 
 # -- building and wrapping the model ---------------------------------------------------------------
 
+def fsdp_units(model):
+    """The repeated units that FSDP2 shards one by one: each weight function of the hypernetwork, or each layer."""
+    units = model.hyper.children() if model.cfg.model_type == "diffeq" else getattr(model, "layers", [])
+    return [u for u in units if any(True for _ in u.parameters())]
+
+
 def shard(model):
-    """FSDP2: one unit per hypernetwork weight function (or per layer), then the root (torchtitan's order)."""
+    """FSDP2: each unit, then the root (torchtitan's order)."""
     from torch.distributed.fsdp import fully_shard
-    units = list(model.hyper.children()) if model.cfg.model_type == "diffeq" else list(getattr(model, "layers", []))
-    for unit in units:
-        if any(True for _ in unit.parameters()):
-            fully_shard(unit)
+    for unit in fsdp_units(model):
+        fully_shard(unit)
     fully_shard(model)
     return model
 
@@ -219,8 +231,12 @@ def save(model, raw, optimizer, state, cfg, env, extra):
 
 def load_run_checkpoint(cfg, env, kind=runtime.CHECKPOINT_KIND):
     """The checkpoint to resume from: the single file, or the sharded folder's meta.pt (no weights)."""
+    sharded = checkpoint_path(cfg.out_dir, True)
     if env.distributed and cfg.parallel == "fsdp":
-        return runtime.load_checkpoint(os.path.join(checkpoint_path(cfg.out_dir, True), "meta.pt"), kind)
+        return runtime.load_checkpoint(os.path.join(sharded, "meta.pt"), kind)
+    if os.path.isdir(sharded) and not os.path.exists(checkpoint_path(cfg.out_dir, False)):
+        raise ValueError(f"{cfg.out_dir} holds a sharded checkpoint: resume it under torchrun with --parallel=fsdp, "
+                         f"or convert it first with --convert={sharded}")
     return runtime.load_checkpoint(checkpoint_path(cfg.out_dir, False), kind)
 
 
@@ -258,16 +274,18 @@ def convert_sharded(src, dst):
 @torch.no_grad()
 def evaluate(model, batches, cfg, env):
     """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation),
-    the batches divided among the processes."""
+    divided among the processes. Every process runs the same number of forward passes (FSDP's
+    collectives must pair up); the passes past eval_iters count with weight 0."""
     model.eval()
     out = {}
     for split, data in batches.items():
         total = torch.zeros(2, device=env.device)
-        for i in range(env.rank, cfg.eval_iters, env.world_size):
-            x, y = data.get(EVAL_ITERATION, i)
+        for j in range(math.ceil(cfg.eval_iters / env.world_size)):
+            i = j * env.world_size + env.rank
+            x, y = data.get(EVAL_ITERATION, i % cfg.eval_iters)
             with env.autocast():
                 _, loss = model(x, y)
-            total += torch.stack((loss.float(), torch.ones((), device=env.device)))
+            total += float(i < cfg.eval_iters) * torch.stack((loss.float(), torch.ones((), device=env.device)))
         if env.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
@@ -336,7 +354,7 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
     bar = tqdm(range(start_iter, end + 1), initial=start_iter, total=cfg.max_iters,
                disable=not env.master, dynamic_ncols=True, desc="train")
     for it in bar:
-        if it % cfg.eval_interval == 0 or it == end:
+        if (it % cfg.eval_interval == 0 or it == end) and (it > start_iter or start_iter == 0):  # a resumed run evaluated it
             losses = evaluate(model, batches, cfg, env)
             row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"], val_ppl=math.exp(min(losses["val"], 50)))
             history.append(row)
@@ -360,8 +378,9 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
         for micro in range(accum):
             last = micro == accum - 1
             x, y = batches["train"].get(it, micro * env.world_size + env.rank)
-            with sync(model, last, cfg, env), env.autocast():
-                _, loss = model(x, y)
+            with sync(model, last, cfg, env):
+                with env.autocast():
+                    _, loss = model(x, y)
                 (loss / accum).backward()
             total += loss.detach() / accum
         if cfg.grad_clip > 0:
@@ -407,7 +426,7 @@ def prepare_data(cfg, env):
         except (ValueError, OSError) as e:
             error = e
     if env.distributed:
-        flag = torch.tensor(int(error is not None))
+        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL broadcasts CUDA tensors only
         dist.broadcast(flag, 0)
         if flag.item() and error is None:
             raise ValueError("rank 0 could not prepare the data")
@@ -422,7 +441,8 @@ def model_config_for(mcfg, cfg, env, given, data):
     vocab = prepare.load_meta(data)["vocab_size"]
     if cfg.init_from != "scratch":
         ckpt = load_run_checkpoint(cfg, env) if cfg.init_from == "resume" else runtime.load_checkpoint(cfg.init_from)
-        saved = ModelConfig(**ckpt["model_config"])
+        # the shape is the checkpoint's; dropout, activation checkpointing and the solver may change
+        saved = ModelConfig(**{**ckpt["model_config"], **{k: getattr(mcfg, k) for k in RUNTIME_KEYS if k in given}})
         if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
             raise ValueError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary {saved.vocab_size}); "
                              f"the data is {cfg.tokenizer} tokens: use --tokenizer={ckpt.get('tokenizer')}")
@@ -454,6 +474,9 @@ def main(argv):
         data = prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
         env.print(f"model: {mcfg}\ntraining: {cfg}")
+        if env.device.type == "cuda":  # refuse a plan that cannot fit before an out-of-memory traceback does
+            memory = torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30
+            dry_run(mcfg, dataclasses.replace(cfg, gpu_memory_gb=memory, gpus=env.world_size), env.world_size, verbose=False)
         with torch.device(env.device):
             model = DiffEqFormer(mcfg)
         env.print(f"{model.num_params() / 1e6:.2f}M parameters ({mcfg.model_type}, {mcfg.flavor} flavour)")

@@ -45,6 +45,27 @@ def test_materialize_equals_ode_with_same_steps(flavor):
     assert (model(idx, steps=3)[0] - model(idx, steps=5)[0]).abs().max() > 1e-3
 
 
+def test_euler_takes_the_weights_at_the_end_of_each_step():
+    """SPEC 2: t_k = (k + 1) / N, as the reference; layer k of the materialised model holds W(t_k)."""
+    assert torch.equal(stage_times(4, "euler"), torch.tensor([0.25, 0.5, 0.75, 1.0]))
+    assert torch.equal(stage_times(2, "midpoint"), torch.tensor([0.0, 0.25, 0.5, 0.75]))
+    model = randomized(tiny())
+    layers = model.materialize(4)
+    for k in range(4):
+        W, b = model.hyper(torch.tensor([(k + 1) / 4]))["attn"]
+        assert torch.allclose(layers.layers[k].attn.weight, W[0]) and torch.allclose(layers.layers[k].attn.bias, b[0])
+
+
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+def test_bf16_autocast_forward_matches_fp32(flavor):
+    """Generated norm gains come out of autocast in bf16; the forward must still run and agree."""
+    model = randomized(tiny(flavor=flavor), std=0.02).eval()
+    reference, _ = model(tokens())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = model(tokens())
+    assert (low.float() - reference).abs().max() < 0.05 * reference.abs().max()
+
+
 def test_materialized_model_refuses_other_depths_and_solvers():
     layers = randomized(tiny()).materialize(4)
     with pytest.raises(ValueError, match="4 fixed layers"):

@@ -127,6 +127,18 @@ def test_accumulation_must_divide_among_processes(tmp_path):
         train.fit(model, model, cfg, env, str(tmp_path), {})
 
 
+def test_weight_decay_groups():
+    """SPEC 7: decay matrices and embeddings, never the hypernetwork (the reference), biases or gains."""
+    model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8, d_t=4, time_freqs=4))
+    decay, no_decay = train.configure_optimizer(model, train.TrainConfig(), torch.device("cpu")).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in decay["params"]) == ["wpe.weight", "wte.weight"] and decay["weight_decay"] == 0.1
+    assert len(no_decay["params"]) == len(names) - 2 and no_decay["weight_decay"] == 0.0
+    baseline = DiffEqFormer(ModelConfig(model_type="baseline", n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+    decay, _ = train.configure_optimizer(baseline, train.TrainConfig(), torch.device("cpu")).param_groups
+    assert len(decay["params"]) == 2 + 4  # wte, wpe, and the block's four matrices
+
+
 def test_learning_rate_schedule():
     cfg = train.TrainConfig(max_iters=1000, learning_rate=1.0)
     assert train.learning_rate(0, cfg) == pytest.approx(0.1)  # warm-up over 1% = 10 iterations
@@ -146,11 +158,13 @@ def torchrun(tmp_path, *args, out):
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_match_one(tmp_path, shakespeare, parallel):
-    common = [f"--input_file={shakespeare}", "--max_iters=5", "--eval_interval=5", "--gradient_accumulation_steps=2"]
+    common = [f"--input_file={shakespeare}", "--max_iters=5", "--eval_interval=5", "--gradient_accumulation_steps=2",
+              "--eval_iters=3"]  # not a multiple of the 2 processes: their evaluation passes must still pair up
     single = run(tmp_path, *common, out="one")
     double = torchrun(tmp_path, *common, f"--parallel={parallel}", out="two")
     a, b = losses(single), losses(double)
     assert sorted(a) == sorted(b) == list(range(5))
+    assert single[-1]["val_loss"] == pytest.approx(double[-1]["val_loss"], abs=1e-4)
     for it in a:
         assert a[it] == pytest.approx(b[it], abs=1e-4), it
     # the DDP checkpoint, or the sharded one converted to a single file, loads into a plain model
