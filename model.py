@@ -25,7 +25,12 @@ RoPE, SwiGLU, no biases, untied head). One `attention`, one `mlp`, one `norm` se
 Differences from nanoGPT: the parallel residual and 1/N step size of the ODE models; weights as
 functions of t; `steps` and `solver` are per-call arguments; `materialize` turns the ODE into an
 ordinary transformer of any depth.
+
+Precision: the time grid t_k, the time features e(t) and RoPE's tables are computed in float32, or
+in the parameters' dtype when it is wider, so a float64 model agrees with an exact computation to
+~1e-13 (bf16 rounding of t, times the scale 1000, would scramble the sinusoids).
 """
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -37,6 +42,9 @@ from torch.utils.checkpoint import checkpoint
 MODEL_TYPES = ("diffeq", "shared", "baseline", "materialized")
 FLAVORS = ("gpt", "llama")
 INITS = ("reference", "gpt")
+# Fixed-step solvers over [0, 1] and the times of their stages, as fractions of a step (SPEC 2).
+# Euler takes the weights at the END of each step, t_k = (k + 1) / N, as the reference does.
+SOLVERS = {"euler": (1.0,), "midpoint": (0.0, 0.5), "rk4": (0.0, 0.5, 0.5, 1.0)}
 MAX_STEPS = 1024  # the step loop is unrolled into the compiled graph; beyond this it stops making sense
 EPS = 1e-5  # LayerNorm and RMSNorm epsilon
 
@@ -51,12 +59,12 @@ class ModelConfig:
     n_head: int = 12
     n_embd: int = 768
     ffn_dim: int = 0  # hidden width of the feed-forward block; 0 means 4 * n_embd
-    d_t: int = 20  # time-embedding dimension: width of each weight's hypernet MLP (SPEC 3)
+    d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (SPEC 3)
     time_freqs: int = 128  # S, the number of sinusoid frequencies in e(t)
     solver: str = "euler"  # default solver: "euler", "midpoint" or "rk4"
     dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
     init: str = "reference"  # "reference" (the authors', the paper's runs) or "gpt" (B_W like GPT's weights)
-    checkpoint: bool = False  # recompute each solver step in the backward pass (activation checkpointing)
+    checkpoint: bool = False  # recompute each vector-field evaluation in the backward pass
 
     def __post_init__(self):
         if self.ffn_dim == 0:
@@ -88,15 +96,9 @@ class ModelConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-# Named shapes. "tiny" is what the tests build; the others are the paper's (SPEC 7).
-PRESETS = {
-    "tiny": dict(vocab_size=96, block_size=32, n_layer=3, n_head=2, n_embd=32, d_t=8, time_freqs=8),
-    "gpt-small": dict(n_layer=12, n_head=12, n_embd=768, d_t=20, time_freqs=128),
-    "gpt-medium": dict(n_layer=24, n_head=16, n_embd=1024, d_t=96, time_freqs=128),
-    "gpt-large": dict(n_layer=36, n_head=20, n_embd=1280, d_t=96, time_freqs=128),
-    "llama-1b": dict(flavor="llama", vocab_size=32000, block_size=2048, n_layer=16, n_head=16, n_embd=2048,
-                     ffn_dim=8192, d_t=96, time_freqs=256),
-}
+def time_dtype(dtype):
+    """The dtype of times, time features and RoPE tables: float32, or `dtype` when it is wider."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,10 +114,11 @@ def norm(x, weight, bias, flavor):
     return F.layer_norm(x, (x.size(-1),), weight, None if bias is None else bias.to(x.dtype), EPS)
 
 
-def rope_tables(T, head_size, device, base=10000.0):
+def rope_tables(T, head_size, device, dtype=torch.float32, base=10000.0):
     """cos and sin of the rotary angles, (T, head_size), in the rotate-half layout of Llama."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, device=device, dtype=torch.float32) / head_size)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    dtype = time_dtype(dtype)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, device=device, dtype=dtype) / head_size)
+    angles = torch.outer(torch.arange(T, device=device, dtype=dtype), inv_freq)  # (T, hs/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
     return angles.cos(), angles.sin()
 
@@ -158,6 +161,11 @@ def sequential_block(x, w, cfg, rope, dropout):
     return x + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout)
 
 
+def checkpointed(fn):
+    """fn, recomputed in the backward pass instead of keeping its activations (dropout masks replayed)."""
+    return functools.partial(checkpoint, fn, use_reentrant=False)
+
+
 def block_shapes(cfg):
     """(in, out, has_bias) of every linear weight of a block, by name; the names are shared by all models."""
     C, H, bias = cfg.n_embd, cfg.ffn_dim, cfg.flavor == "gpt"
@@ -168,37 +176,10 @@ def block_shapes(cfg):
 RESIDUAL_PROJECTIONS = ("proj", "fc2", "down")  # the layers that write into the residual stream
 
 
-# ----------------------------------------------------------------------------------------------
-# Fixed-step solvers over [0, 1]. `f(i, x)` evaluates the field at stage i of the step, whose time
-# is t = (k + c_i) h. Euler takes the weights at the END of the step, as the reference does (SPEC 2).
-
-def euler_step(f, x, h):
-    return x + h * f(0, x)
-
-
-def midpoint_step(f, x, h):
-    return x + h * f(1, x + 0.5 * h * f(0, x))
-
-
-def rk4_step(f, x, h):
-    k1 = f(0, x)
-    k2 = f(1, x + 0.5 * h * k1)
-    k3 = f(2, x + 0.5 * h * k2)
-    k4 = f(3, x + h * k3)
-    return x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
-
-
-SOLVERS = {  # name: (step function, stage times c_i as fractions of the step)
-    "euler": (euler_step, (1.0,)),
-    "midpoint": (midpoint_step, (0.0, 0.5)),
-    "rk4": (rk4_step, (0.0, 0.5, 0.5, 1.0)),
-}
-
-
-def stage_times(steps, solver, device=None):
-    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps, in fp32."""
-    c = torch.tensor(SOLVERS[solver][1], device=device, dtype=torch.float32)
-    k = torch.arange(steps, device=device, dtype=torch.float32)[:, None]
+def stage_times(steps, solver, device=None, dtype=torch.float32):
+    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps (SPEC 2)."""
+    c = torch.tensor(SOLVERS[solver], device=device, dtype=dtype)
+    k = torch.arange(steps, device=device, dtype=dtype)[:, None]
     return ((k + c) / steps).flatten()
 
 
@@ -206,16 +187,15 @@ def stage_times(steps, solver, device=None):
 # Time-dependent weights: the hypernetwork of SPEC 3.
 
 class TimeEmbedding(nn.Module):
-    """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S); (T,) -> (T, 2S+1).
-    Always in fp32: with scale 1000, the rounding of t in bf16 would scramble the sinusoids."""
+    """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S); (T,) -> (T, 2S+1),
+    in the dtype of t (at least float32: see the module docstring)."""
 
     def __init__(self, S, scale=1000.0, max_period=10000.0):
         super().__init__()
         self.S, self.scale, self.max_period = S, scale, max_period
 
     def forward(self, ts):
-        ts = ts.float()
-        omega = torch.exp(-math.log(self.max_period) * torch.arange(self.S, device=ts.device, dtype=torch.float32) / self.S)
+        omega = torch.exp(-math.log(self.max_period) * torch.arange(self.S, device=ts.device, dtype=ts.dtype) / self.S)
         angles = self.scale * ts[:, None] * omega  # (T, S)
         return torch.cat((ts[:, None], angles.sin(), angles.cos()), dim=-1)  # (T, 2S+1)
 
@@ -233,23 +213,25 @@ class TimeMLP(nn.Module):
 
 
 class TimeDependentLinear(nn.Module):
-    """W(t) = reshape(A z(t) + B) and b(t) = C z(t) (SPEC 3), for all times at once.
+    """W(t) = reshape(A_W z(t) + B_W) and b(t) = C_W z(t) (SPEC 3), for all times at once.
 
-    `A.weight` is A_W (in*out, d_t), `A.bias` is B_W, `C.weight` is C_W. W(t) is laid out (out, in)
-    like nn.Linear.weight, so a generated weight drops straight into F.linear or an nn.Linear.
+    A_W is (out*in, d_t), B_W (out*in,), C_W (out, d_t). W(t) comes out flat, (T, out*in), fresh
+    from one matmul for every time (a module output that is a view upsets FSDP2's backward hooks);
+    HyperNetwork gives it the (out, in) layout of nn.Linear.weight.
     """
 
     def __init__(self, cfg, d_in, d_out, bias):
         super().__init__()
-        self.d_in, self.d_out = d_in, d_out
-        self.z = TimeMLP(cfg)
-        self.A = nn.Linear(cfg.d_t, d_in * d_out)
-        self.C = nn.Linear(cfg.d_t, d_out, bias=False) if bias else None
+        self.shape = (d_out, d_in)
+        self.time_mlp = TimeMLP(cfg)
+        self.A_W = nn.Parameter(torch.empty(d_out * d_in, cfg.d_t))
+        self.B_W = nn.Parameter(torch.empty(d_out * d_in))
+        self.C_W = nn.Parameter(torch.empty(d_out, cfg.d_t)) if bias else None
 
     def forward(self, e):
-        z = self.z(e)  # (T, d_t)
-        W = self.A(z).view(-1, self.d_out, self.d_in)  # (T, out, in): one matmul for every time
-        return W, (self.C(z) if self.C is not None else None)  # (T, out)
+        z = self.time_mlp(e)  # (T, d_t)
+        W = torch.addmm(self.B_W, z, self.A_W.t())  # (T, out*in)
+        return W, (z @ self.C_W.t() if self.C_W is not None else None)  # (T, out)
 
 
 class TimeDependentNorm(nn.Module):
@@ -257,17 +239,18 @@ class TimeDependentNorm(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.z = TimeMLP(cfg)
-        self.G = nn.Linear(cfg.d_t, cfg.n_embd, bias=False)
-        self.H = nn.Linear(cfg.d_t, cfg.n_embd, bias=False) if cfg.flavor == "gpt" else None
+        self.time_mlp = TimeMLP(cfg)
+        self.G = nn.Parameter(torch.empty(cfg.n_embd, cfg.d_t))
+        self.H = nn.Parameter(torch.empty(cfg.n_embd, cfg.d_t)) if cfg.flavor == "gpt" else None
 
     def forward(self, e):
-        z = self.z(e)
-        return 1 + self.G(z), (self.H(z) if self.H is not None else None)
+        z = self.time_mlp(e)  # (T, d_t)
+        return 1 + z @ self.G.t(), (z @ self.H.t() if self.H is not None else None)  # (T, C) each
 
 
 class HyperNetwork(nn.Module):
-    """All block weights of the vector field as functions of t; forward(ts) -> {name: (W, b)}, each (T, ...)."""
+    """All block weights of the vector field as functions of t: forward(ts) -> {name: (W, b)}, each
+    stacked over the times, (T, ...). Only e(t) is shared; every weight has its own time MLP."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -277,8 +260,23 @@ class HyperNetwork(nn.Module):
             self.add_module(name, TimeDependentLinear(cfg, d_in, d_out, bias))
 
     def forward(self, ts):
-        e = self.time_embedding(ts).to(self.ln_1.G.weight.dtype)  # (T, 2S+1), shared by every weight
-        return {name: m(e) for name, m in self.named_children() if name != "time_embedding"}
+        e = self.time_embedding(ts).to(self.ln_1.G.dtype)  # (T, 2S+1)
+        out = {}
+        for name, m in self.named_children():
+            if isinstance(m, TimeDependentLinear):
+                W, b = m(e)
+                out[name] = (W.unflatten(1, m.shape), b)  # (T, out, in)
+            elif isinstance(m, TimeDependentNorm):
+                out[name] = m(e)
+        return out
+
+
+def unbind_times(w):
+    """{name: (W, b)} stacked over T times -> [{name: (W(t), b(t))} for each time]. unbind, not w[j]:
+    the backward of indexing writes a full-size zero tensor per index, quadratic in the step count."""
+    per_name = {name: [t.unbind(0) if t is not None else None for t in pair] for name, pair in w.items()}
+    T = len(next(iter(per_name.values()))[0])
+    return [{name: tuple(None if t is None else t[j] for t in pair) for name, pair in per_name.items()} for j in range(T)]
 
 
 class Block(nn.Module):
@@ -287,8 +285,8 @@ class Block(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        make_norm = (lambda: nn.RMSNorm(cfg.n_embd, eps=EPS)) if cfg.flavor == "llama" else (lambda: nn.LayerNorm(cfg.n_embd, eps=EPS))
-        self.ln_1, self.ln_2 = make_norm(), make_norm()
+        Norm = nn.RMSNorm if cfg.flavor == "llama" else nn.LayerNorm
+        self.ln_1, self.ln_2 = Norm(cfg.n_embd, eps=EPS), Norm(cfg.n_embd, eps=EPS)
         for name, (d_in, d_out, bias) in block_shapes(cfg).items():
             self.add_module(name, nn.Linear(d_in, d_out, bias=bias))
 
@@ -300,11 +298,6 @@ class Block(nn.Module):
         if cfg.model_type == "baseline":
             return sequential_block(x, self.weights(), cfg, rope, dropout)
         return x + (1.0 / cfg.n_layer) * vector_field(x, self.weights(), cfg, rope, dropout)
-
-
-def weights_at(w, j):
-    """The weights of one stage time j out of stacked (T, ...) weights."""
-    return {name: tuple(None if t is None else t[j] for t in pair) for name, pair in w.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,36 +326,34 @@ class DiffEqFormer(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """SPEC 3. Reference init (the default, so that the paper's runs are reproduced as they were
-        trained): every linear N(0, 0.02^2), biases 0 (B_W included), C_W N(0, 1e-4^2), norm G, H zero,
-        positions N(0, 0.01^2); the ODE starts as almost the identity map. With init="gpt", B_W starts
-        like a GPT weight (N(0, 0.02^2), residual projections / sqrt(2 n_layer)), so the ODE starts as a
-        weight-shared GPT: on tiny Shakespeare it reached a lower loss in the same iterations (README)."""
+        trained): every linear weight and A_W N(0, 0.02^2), biases 0 (B_W included), C_W N(0, 1e-4^2),
+        norm G, H zero; the ODE starts as almost the identity map. With init="gpt", B_W starts like a
+        GPT weight (N(0, 0.02^2), residual projections / sqrt(2 n_layer)), so the ODE starts as a
+        weight-shared GPT. The ODE's position embeddings start at N(0, 0.01^2) whatever `init` is."""
         cfg, std = self.cfg, 0.02
         resid_std = std / math.sqrt(2 * cfg.n_layer)
-        for m in self.modules():
+        for name, m in self.named_modules():
+            resid = name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS
             if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
+                nn.init.normal_(m.weight, std=resid_std if resid else std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
+                nn.init.normal_(m.weight, std=0.01 if m is self.wpe and cfg.is_ode else std)
             elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
                 m.reset_parameters()
-        for name, m in self.named_modules():
-            last = name.rsplit(".", 1)[-1]
-            if isinstance(m, TimeDependentLinear):
-                if m.C is not None:
-                    nn.init.normal_(m.C.weight, std=1e-4)
+            elif isinstance(m, TimeDependentLinear):
+                nn.init.normal_(m.A_W, std=std)
                 if cfg.init == "gpt":
-                    nn.init.normal_(m.A.bias, std=resid_std if last in RESIDUAL_PROJECTIONS else std)
+                    nn.init.normal_(m.B_W, std=resid_std if resid else std)
+                else:
+                    nn.init.zeros_(m.B_W)
+                if m.C_W is not None:
+                    nn.init.normal_(m.C_W, std=1e-4)
             elif isinstance(m, TimeDependentNorm):
                 for p in (m.G, m.H):
                     if p is not None:
-                        nn.init.zeros_(p.weight)
-            elif isinstance(m, nn.Linear) and last in RESIDUAL_PROJECTIONS:
-                nn.init.normal_(m.weight, std=resid_std)
-        if self.wpe is not None and cfg.model_type == "diffeq" and cfg.init == "reference":
-            nn.init.normal_(self.wpe.weight, std=0.01)
+                        nn.init.zeros_(p)
 
     # -- sizes ---------------------------------------------------------------------------------
     def num_params(self, non_embedding=False):
@@ -385,13 +376,14 @@ class DiffEqFormer(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(T, device=idx.device))
         x = F.dropout(x, dropout, dropout > 0)
-        rope = rope_tables(T, cfg.n_embd // cfg.n_head, idx.device) if cfg.flavor == "llama" else None
+        rope = rope_tables(T, cfg.n_embd // cfg.n_head, idx.device, x.dtype) if cfg.flavor == "llama" else None
         x = self.integrate(x, steps, solver, rope, dropout)
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.ln_f(x), head)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.to(time_dtype(logits.dtype)).view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1)
         return logits, loss
 
     def check_steps(self, steps, solver):
@@ -410,40 +402,46 @@ class DiffEqFormer(nn.Module):
     def integrate(self, x, steps, solver, rope, dropout):
         """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model."""
         cfg = self.cfg
-        run = self.checkpointed if cfg.checkpoint and self.training else (lambda fn, *args: fn(*args))
+        recompute = cfg.checkpoint and self.training
         if not cfg.is_ode:
             for layer in self.layers:
-                x = run(layer, x, cfg, rope, dropout)
+                x = checkpointed(layer)(x, cfg, rope, dropout) if recompute else layer(x, cfg, rope, dropout)
             return x
-        step, c = SOLVERS[solver]
-        stages = len(c)
-        w = self.step_weights(steps, solver, x.device)
+        f = checkpointed(vector_field) if recompute else vector_field
+        W = self.step_weights(steps, solver, x.device)  # the block weights at every stage time, in order
+        h = 1.0 / steps
         for k in range(steps):
-            def field(i, y, k=k):
-                return vector_field(y, weights_at(w, k * stages + i), cfg, rope, dropout)
-            x = run(step, field, x, 1.0 / steps)
+            if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
+                x = x + h * f(x, W[k], cfg, rope, dropout)
+            elif solver == "midpoint":  # stages at k h and (k + 1/2) h
+                x_half = x + 0.5 * h * f(x, W[2 * k], cfg, rope, dropout)
+                x = x + h * f(x_half, W[2 * k + 1], cfg, rope, dropout)
+            else:  # classical RK4: stages at k h, (k + 1/2) h twice, (k + 1) h
+                w1, w2, w3, w4 = W[4 * k:4 * k + 4]
+                k1 = f(x, w1, cfg, rope, dropout)
+                k2 = f(x + 0.5 * h * k1, w2, cfg, rope, dropout)
+                k3 = f(x + 0.5 * h * k2, w3, cfg, rope, dropout)
+                k4 = f(x + h * k3, w4, cfg, rope, dropout)
+                x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
-    @staticmethod
-    def checkpointed(fn, *args):
-        return checkpoint(fn, *args, use_reentrant=False)
-
     def step_weights(self, steps, solver, device):
-        """Block weights at every stage time, stacked (steps * stages, ...): ONE hypernet call per
-        forward. Constant for the shared model. In eval mode without autograd (and not compiling) they
-        are cached, keyed by the parameters' version counters: an in-place update through an optimizer
-        or `p.add_` invalidates the cache, an edit through `p.data` does not (call model.train() after one)."""
+        """The block weights at every stage time, [{name: (weight, bias)}, ...]: ONE hypernet call per
+        forward, or the shared block at every time. In eval mode without autograd (and not compiling)
+        they are cached, keyed by the parameters' version counters: an in-place update through an
+        optimizer or `p.add_` invalidates the cache, an edit through `p.data` does not (call
+        model.train() after one)."""
         if self.cfg.model_type == "shared":
-            T = steps * len(SOLVERS[solver][1])
-            return {n: tuple(None if t is None else t.expand(T, *t.shape) for t in pair)
-                    for n, pair in self.block.weights().items()}
+            return [self.block.weights()] * (steps * len(SOLVERS[solver]))
+        ts = stage_times(steps, solver, device, time_dtype(self.wte.weight.dtype))
         if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self.hyper(stage_times(steps, solver, device))
-        key = (steps, solver, device, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type),
-               tuple(p._version for p in self.hyper.parameters()), tuple(p.data_ptr() for p in self.hyper.parameters()))
+            return unbind_times(self.hyper(ts))
+        params = tuple(self.hyper.parameters())
+        key = (steps, solver, device, ts.dtype, torch.is_autocast_enabled(device.type),
+               torch.get_autocast_dtype(device.type), tuple(p._version for p in params), tuple(p.data_ptr() for p in params))
         if key not in self._weight_cache:
             self._weight_cache.clear()
-            self._weight_cache[key] = self.hyper(stage_times(steps, solver, device))
+            self._weight_cache[key] = unbind_times(self.hyper(ts))
         return self._weight_cache[key]
 
     def train(self, mode=True):
@@ -454,20 +452,21 @@ class DiffEqFormer(nn.Module):
     @torch.no_grad()
     def materialize(self, steps=None):
         """A plain N-layer transformer (nn.Linear weights, residual updates scaled by 1/N) whose logits
-        equal this ODE's with N Euler steps: layer k holds the weights at t_k = (k+1)/N."""
+        equal this ODE's with N Euler steps: layer k holds the weights at t_k = (k+1)/N. It has this
+        model's dtype and device."""
         if not self.cfg.is_ode:
             raise ValueError(f"only ODE models (diffeq, shared) can be materialised, not a {self.cfg.model_type} model")
         steps, _ = self.check_steps(steps, "euler")
         cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps})
         sd = {k: v for k, v in self.state_dict().items() if not k.startswith(("hyper.", "block."))}
-        w = self.step_weights(steps, "euler", self.wte.weight.device)
-        for k in range(steps):
-            for name, (weight, bias) in weights_at(w, k).items():
+        for k, w in enumerate(self.step_weights(steps, "euler", self.wte.weight.device)):
+            for name, (weight, bias) in w.items():
                 sd[f"layers.{k}.{name}.weight"] = weight
                 if bias is not None:
                     sd[f"layers.{k}.{name}.bias"] = bias
-        with torch.device(self.wte.weight.device):
+        with torch.device("meta"):
             out = DiffEqFormer(cfg)
+        out = out.to_empty(device=self.wte.weight.device).to(self.wte.weight.dtype)
         out.load_state_dict(sd)
         return out.train(self.training)
 

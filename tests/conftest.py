@@ -10,6 +10,18 @@ if os.path.isdir(os.path.join(SHARED, "tiktoken")):
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(SHARED, "tiktoken"))
 
 
+TINY = dict(vocab_size=96, block_size=32, n_layer=3, n_head=2, n_embd=32, d_t=8, time_freqs=8)  # the tests' model
+
+
+def from_config_file(path, **overrides):
+    """The ModelConfig that a config file (relative to the repository) sets, with overrides."""
+    from configurator import parse_config
+    from model import ModelConfig
+    from train import TrainConfig
+    mcfg, _, _ = parse_config([os.path.join(ROOT, path)], ModelConfig, TrainConfig)
+    return ModelConfig(**{**mcfg.to_dict(), **overrides})
+
+
 def corpus(*parts):
     path = os.path.join(SHARED, "data", *parts)
     if not os.path.isfile(path):

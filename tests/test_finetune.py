@@ -10,14 +10,14 @@ import finetune
 import prepare
 import runtime
 import train
-from model import PRESETS, DiffEqFormer, ModelConfig
+from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 
 def random_ode(**overrides):
     torch.manual_seed(0)
-    model = DiffEqFormer(ModelConfig(**{**PRESETS["tiny"], **overrides}))
+    model = DiffEqFormer(ModelConfig(**{**TINY, **overrides}))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.1)
@@ -58,7 +58,7 @@ def test_one_step_changes_only_adapters_and_merge_is_exact():
 
 
 def test_baseline_refuses_other_depths(tmp_path):
-    gpt = DiffEqFormer(ModelConfig(**{**PRESETS["tiny"], "model_type": "baseline"}))
+    gpt = DiffEqFormer(ModelConfig(**{**TINY, "model_type": "baseline"}))
     path = tmp_path / "gpt.pt"
     runtime.save_checkpoint(dict(kind=runtime.CHECKPOINT_KIND, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
     with pytest.raises(ValueError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):

@@ -5,11 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from model import PRESETS, DiffEqFormer, ModelConfig, stage_times
+from model import DiffEqFormer, ModelConfig, stage_times
+
+from conftest import TINY, from_config_file
 
 
 def tiny(**overrides):
-    return ModelConfig(**{**PRESETS["tiny"], **overrides})
+    return ModelConfig(**{**TINY, **overrides})
 
 
 def randomized(cfg, std=0.1, seed=0):
@@ -86,14 +88,14 @@ def test_shared_equals_ode_with_constant_weights(solver):
             if name == "time_embedding":
                 continue
             if name.startswith("ln_"):
-                m.G.weight.zero_()
-                m.H.weight.zero_()
+                m.G.zero_()
+                m.H.zero_()
                 getattr(shared.block, name).weight.fill_(1.0)
                 getattr(shared.block, name).bias.zero_()
             else:
-                m.A.weight.zero_()
-                m.C.weight.zero_()
-                getattr(shared.block, name).weight.copy_(m.A.bias.view(m.d_out, m.d_in))
+                m.A_W.zero_()
+                m.C_W.zero_()
+                getattr(shared.block, name).weight.copy_(m.B_W.view(m.shape))
                 getattr(shared.block, name).bias.zero_()
         for name in ("wte", "wpe", "ln_f"):
             getattr(shared, name).load_state_dict(getattr(ode, name).state_dict())
@@ -186,11 +188,11 @@ def test_time_embedding_and_generated_weight_follow_spec3():
 
     proj = model.hyper.proj
     P = {k: v.detach().double().numpy() for k, v in proj.state_dict().items()}
-    hidden = e @ P["z.L1.weight"].T + P["z.L1.bias"]
-    z = (hidden / (1 + np.exp(-hidden))) @ P["z.L2.weight"].T + P["z.L2.bias"]
-    W = (z @ P["A.weight"].T + P["A.bias"]).reshape(3, proj.d_out, proj.d_in)
-    b = z @ P["C.weight"].T
-    W_gen, b_gen = proj(model.hyper.time_embedding(ts))
+    hidden = e @ P["time_mlp.L1.weight"].T + P["time_mlp.L1.bias"]
+    z = (hidden / (1 + np.exp(-hidden))) @ P["time_mlp.L2.weight"].T + P["time_mlp.L2.bias"]
+    W = (z @ P["A_W"].T + P["B_W"]).reshape(3, *proj.shape)
+    b = z @ P["C_W"].T
+    W_gen, b_gen = model.hyper(ts)["proj"]
     assert np.allclose(W_gen.detach().numpy(), W, atol=1e-5)
     assert np.allclose(b_gen.detach().numpy(), b, atol=1e-5)
 
@@ -218,9 +220,9 @@ def test_reference_init_starts_near_identity():
     x0 = torch.randn(2, 8, 32)
     x1 = model.integrate(x0, 3, "euler", None, 0.0)
     assert ((x1 - x0).norm() / x0.norm()) < 1e-3
-    assert model.hyper.proj.A.bias.abs().max() == 0
+    assert model.hyper.proj.B_W.abs().max() == 0
     gptlike = DiffEqFormer(tiny(init="gpt"))
-    assert gptlike.hyper.proj.A.bias.std() > 1e-3
+    assert gptlike.hyper.proj.B_W.std() > 1e-3
 
 
 def test_eval_cache_generates_weights_once_and_follows_parameter_changes():
@@ -232,7 +234,7 @@ def test_eval_cache_generates_weights_once_and_follows_parameter_changes():
         first, _ = model(idx)
         model(idx)
         assert len(calls) == 1
-        model.hyper.fc.A.bias.add_(0.5)
+        model.hyper.fc.B_W.add_(0.5)
         changed, _ = model(idx)
     assert len(calls) == 2 and (changed - first).abs().max() > 1e-3
 
@@ -292,34 +294,33 @@ def test_compiled_model_matches_eager_without_graph_breaks():
 
 # -- sizes (SPEC 7), built on the meta device --------------------------------------------------
 
-def on_meta(preset, **overrides):
+def on_meta(config_file, **overrides):
     with torch.device("meta"):
-        return DiffEqFormer(ModelConfig(**{**PRESETS[preset], **overrides}))
+        return DiffEqFormer(from_config_file(config_file, **overrides))
 
 
-@pytest.mark.parametrize("preset,millions,layer_params", [
-    ("gpt-small", 117, 12 * 768 ** 2 + 13 * 768),
-    ("gpt-medium", 345, 12 * 1024 ** 2 + 13 * 1024),
-    ("gpt-large", 762, 12 * 1280 ** 2 + 13 * 1280),
+@pytest.mark.parametrize("config_file,millions,padded", [
+    ("config/owt_gpt_small.py", 117, 124.5),
+    ("config/owt_gpt_medium.py", 345, 354.9),
+    ("config/owt_gpt_large.py", 762, 774.1),
 ])
-def test_gpt_parameter_counts_match_paper(preset, millions, layer_params):
+def test_gpt_parameter_counts_match_paper(config_file, millions, padded):
     """SPEC 7's counts are the GPT-2 paper's, which counted a 40,478-token embedding (GPT-1's
     vocabulary): with it every count matches to 0.5%. With GPT-2's vocabulary padded to 50304
     they are the familiar 124M / 355M / 774M."""
-    cfg = PRESETS[preset]
-    model = on_meta(preset, model_type="baseline")
-    assert model.num_params(non_embedding=True) == cfg["n_layer"] * layer_params + 2 * cfg["n_embd"]  # + ln_f
-    assert on_meta(preset, model_type="baseline", vocab_size=40478).num_params() / 1e6 == pytest.approx(millions, rel=5e-3)
-    padded = {"gpt-small": 124.5, "gpt-medium": 354.9, "gpt-large": 774.1}[preset]
+    model = on_meta(config_file, model_type="baseline")
+    L, C = model.cfg.n_layer, model.cfg.n_embd
+    assert model.num_params(non_embedding=True) == L * (12 * C ** 2 + 13 * C) + 2 * C  # + ln_f
+    assert on_meta(config_file, model_type="baseline", vocab_size=40478).num_params() / 1e6 == pytest.approx(millions, rel=5e-3)
     assert model.num_params() / 1e6 == pytest.approx(padded, abs=0.1)
 
 
 def test_llama_and_ode_parameter_counts():
-    llama = on_meta("llama-1b", model_type="baseline")
+    llama = on_meta("config/llama1b.py", model_type="baseline", vocab_size=32000)
     assert llama.num_params() / 1e6 == pytest.approx(1213, rel=0.01)  # 1204.9M: see README
-    ode_medium = on_meta("gpt-medium", d_t=144)
+    ode_medium = on_meta("config/owt_gpt_medium.py", d_t=144)
     assert ode_medium.num_params() / 1e9 == pytest.approx(1.8, rel=0.05)
-    ode_llama = on_meta("llama-1b")
+    ode_llama = on_meta("config/llama1b.py", vocab_size=32000)
     assert 6.4e9 < ode_llama.num_params() < 6.8e9  # SPEC 7: ~97 x 67M hypernetwork parameters
     assert all(p.device.type == "meta" for p in ode_llama.parameters())
 
