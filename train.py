@@ -118,7 +118,7 @@ def flops_per_token(mcfg, hyper_params, tokens_per_forward):
     """Training FLOPs per token (forward + backward = 3 x forward): 2 per weight per token for the
     steps and the head, attention scores, and the hypernetwork's weight generation spread over the
     tokens of one forward pass."""
-    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver][1]) if mcfg.is_ode else mcfg.n_layer
+    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver]) if mcfg.is_ode else mcfg.n_layer
     forward = 2 * (evals * block_params(mcfg) + mcfg.n_embd * mcfg.vocab_size) + 2 * evals * mcfg.block_size * mcfg.n_embd
     forward += 2 * hyper_params * (evals if mcfg.model_type == "diffeq" else 0) / tokens_per_forward
     return 3 * forward
@@ -129,7 +129,7 @@ def memory_plan(model, mcfg, cfg, world):
     P = model.num_params()
     largest_unit = max((sum(p.numel() for p in u.parameters()) for u in fsdp_units(model)), default=0)
     sharded = cfg.parallel == "fsdp" and world > 1
-    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver][1])
+    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver])
     B, T, D = cfg.batch_size, mcfg.block_size, mcfg.n_embd
     plan = {
         "parameters, gradients and AdamW state (16 B/param)": 16 * P / (world if sharded else 1),
