@@ -15,8 +15,13 @@ import types
 import typing
 
 
-class ConfigError(ValueError):
-    """A bad command line or config file; scripts print it as one line and exit."""
+class UserError(Exception):
+    """An error the user must fix (a config, a path, a checkpoint kind, a prompt): run_main prints it
+    as one line and exits with status 2. Every other exception keeps its traceback."""
+
+
+class ConfigError(UserError):
+    """A bad command line or config file."""
 
 
 def fields_of(*classes):
@@ -127,6 +132,6 @@ def run_main(main):
     """Run a script's main(), turning the errors a user can fix into one line on stderr."""
     try:
         main(sys.argv[1:])
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
