@@ -38,7 +38,7 @@ def save(obj, path):
 
 def load(path, kind=MODEL, map_location="cpu"):
     """The checkpoint dict in `path`, loaded with weights_only=True (no code runs). A missing, empty or
-    unreadable file, or one of another kind, is one UserError."""
+    unreadable file, or one of another kind (`kind` may be a tuple of accepted kinds), is one UserError."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "LATEST")):
         raise UserError(f"{path} is a sharded checkpoint folder: convert it with `python train.py --convert={path}`")
     if not os.path.isfile(path):
@@ -50,9 +50,10 @@ def load(path, kind=MODEL, map_location="cpu"):
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as e:
         raise UserError(f"{path} is not a PyTorch checkpoint this project can read ({type(e).__name__}); "
                         f"is it the right file?") from e
+    kinds = kind if isinstance(kind, tuple) else (kind,)
     found = ckpt.get("kind") if isinstance(ckpt, dict) else None
-    if found != kind:
-        raise UserError(f"{path} holds a {found or 'foreign object'} checkpoint, not a {kind} checkpoint")
+    if found not in kinds:
+        raise UserError(f"{path} holds a {found or 'foreign object'} checkpoint, not a {' or '.join(kinds)} checkpoint")
     return ckpt
 
 
@@ -140,13 +141,10 @@ def convert_sharded(folder, dst):
 
 # -- one run per out_dir ------------------------------------------------------------------------------
 
-_locks = []  # open lock files, held until the process exits
-
-
 def lock(out_dir):
-    """Claim out_dir for this process (an flock, released by the OS when the process ends, so a killed
-    run leaves no stale lock), then remove what a killed run left behind: temporary files and sharded
-    folders that LATEST does not name."""
+    """Claim out_dir for this run: an flock on out_dir/.lock, held until the returned file is closed or
+    the process ends (so a killed run leaves no stale lock). Then remove what a killed run left
+    behind: temporary files, and sharded folders that LATEST does not name."""
     import fcntl
     os.makedirs(out_dir, exist_ok=True)
     f = open(os.path.join(out_dir, ".lock"), "a+")
@@ -161,7 +159,6 @@ def lock(out_dir):
     f.truncate(0)
     f.write(f"pid {os.getpid()}")
     f.flush()
-    _locks.append(f)
     for name in os.listdir(out_dir):
         if ".tmp" in name:
             os.remove(os.path.join(out_dir, name))
@@ -172,3 +169,4 @@ def lock(out_dir):
             if name != keep and name != "LATEST":
                 path = os.path.join(sharded, name)
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return f

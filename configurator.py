@@ -3,13 +3,17 @@ The command line of every script: config files, then overrides.
 
     python train.py config/owt_gpt_small.py --model_type=baseline --max_iters 100 --compile --no-wandb
 
-Config files are short Python files of plain assignments. Every key, from a file or a flag, is routed
-to the one dataclass field that owns it and coerced to that field's type; an unknown key or a bad
-value is one ConfigError that names the valid keys. nanoGPT's exec-based configurator accepts typos
-and rejects `--steps 9` or `--lora`; this one does neither.
+Config files are short Python files of plain assignments; `include("other.py")` runs another one,
+named relative to the including file. Every key, from a file or a flag, is routed to the one
+dataclass field that owns it and coerced to that field's type; an unknown key or a bad value is one
+ConfigError that names the valid keys; `--help` lists every key with its default. nanoGPT's
+exec-based configurator accepts typos and rejects `--steps 9` or `--lora`; this one does neither.
 """
 import dataclasses
+import inspect
+import math
 import os
+import re
 import sys
 import types
 import typing
@@ -45,36 +49,67 @@ def coerce(key, value, annotation):
     if isinstance(value, str) and annotation is not str:
         text = value.strip().lower()
         if annotation is bool:
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
+            if text in BOOL_WORDS:
+                return BOOL_WORDS[text]
         else:
             try:
-                value = annotation(value) if annotation is float else int(value, 0)
+                value = annotation(value)  # int("010") is 10, not octal
             except ValueError:
                 pass
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not annotation:
         raise ConfigError(f"--{key} expects {annotation.__name__}, got {value!r}")
+    if annotation is float and not math.isfinite(value):
+        raise ConfigError(f"--{key} must be a finite number, got {value!r}")
     return value
 
 
-def read_config_file(path):
-    """The plain assignments of a config file, as a dict (imports and underscore names left out)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist")
-    scope = {}
+ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository: config/ lives here
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def find_config_file(path, relative_to=None):
+    """A config file named relative to `relative_to` (another config file's folder), else to the
+    current directory, else to the repository, so that scripts run from anywhere find config/x.py."""
+    bases = [relative_to] if relative_to else [os.getcwd(), ROOT]
+    for base in bases:
+        candidate = os.path.join(base, path)
+        if os.path.isfile(candidate):
+            return candidate
+    raise ConfigError(f"config file {path} does not exist")
+
+
+def read_config_file(path, relative_to=None):
+    """The plain assignments of a config file, as a dict (imports and underscore names left out).
+    `include("other.py")` inside a config file runs another config file, named relative to itself."""
+    path = find_config_file(path, relative_to)
+    scope = {"include": lambda other: scope.update(read_config_file(other, os.path.dirname(path)))}
     try:
         exec(compile(open(path).read(), path, "exec"), scope)
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from e
-    return {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+    return {k: v for k, v in scope.items()
+            if not k.startswith("_") and k != "include" and not isinstance(v, (types.ModuleType, types.FunctionType))}
+
+
+def usage(classes):
+    """`--help`: every key with its type, default and the comment beside its field."""
+    lines = ["usage: python SCRIPT.py [config/FILE.py ...] [--key=value | --key value | --flag | --no-flag ...]"]
+    for cls in classes:
+        comments = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+        lines.append(f"\n{cls.__name__}:")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            type_name = getattr(f.type, "__name__", str(f.type))
+            lines.append(f"  --{f.name}={default!r} ({type_name})" + (f"  {comments[f.name]}" if f.name in comments else ""))
+    return "\n".join(lines)
 
 
 def split_args(argv, owners):
-    """(config files, [(key, raw value)]) from argv: `--k=v`, `--k v`, `--flag`, `--no-flag`."""
+    """(config files, [(key, raw value)]) from argv: `--k=v`, `--k v`, `--flag`, `--flag false`, `--no-flag`."""
     files, pairs, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
@@ -88,12 +123,16 @@ def split_args(argv, owners):
             field = owners.get(key, (None, None))[1]
             if field is not None and field.type is bool:
                 value = "true"
+                if i < len(argv) and argv[i].lower() in BOOL_WORDS:  # --compile false
+                    value, i = argv[i], i + 1
             elif key.startswith("no_") and key[3:] in owners and owners[key[3:]][1].type is bool:
                 key, value = key[3:], "false"
             elif i < len(argv) and not argv[i].startswith("--"):
                 value, i = argv[i], i + 1
             elif key in owners:
                 raise ConfigError(f"--{key} needs a value")
+        if any(k == key for k, _ in pairs):
+            raise ConfigError(f"--{key} is given twice on the command line")
         pairs.append((key, value))
     return files, pairs
 
@@ -105,6 +144,9 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
     Returns (instances..., given): `given` is the set of keys set explicitly, so that a script can
     tell a user's choice from a default (for example when resuming from a checkpoint)."""
     owners = fields_of(*classes)
+    if "--help" in argv or "-h" in argv:
+        print(usage(classes))
+        sys.exit(0)
     files, pairs = split_args(argv, owners)
     files = files or ([default_file] if default_file else [])
     values = {key: (value, "in the script's defaults") for key, value in (defaults or {}).items()}
@@ -133,5 +175,6 @@ def run_main(main):
     try:
         main(sys.argv[1:])
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0 or not isinstance(e, ConfigError):  # every rank has the same ConfigError
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

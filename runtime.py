@@ -1,6 +1,6 @@
 """
 Run-time setup shared by every script: device and precision, seeding, the process group under
-torchrun, rank-0 printing, the memmap batch loader, and checkpoint files.
+torchrun, rank-0 work and printing, the peak FLOP/s for MFU, and the memmap batch loader.
 """
 import contextlib
 import os
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-CHECKPOINT_KIND = "diffeqformer-model"
+from configurator import UserError
 
 
 # -- processes and devices ----------------------------------------------------------------------
@@ -50,7 +50,7 @@ def setup(device="auto", dtype="auto", seed=1337):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' asked for, but torch sees no CUDA device; use --device=cpu")
+        raise UserError("device='cuda' asked for, but torch sees no CUDA device; use --device=cpu")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     if world_size > 1:
         if device.startswith("cuda"):
@@ -59,10 +59,11 @@ def setup(device="auto", dtype="auto", seed=1337):
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     device = torch.device(device)
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if dtype == "auto":  # bf16 where the GPU has it natively (not V100 or T4, which only emulate it)
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bfloat16" if native_bf16 else "float32"
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r}: use float32, bfloat16 or auto")
+        raise UserError(f"dtype={dtype!r}: use float32, bfloat16 or auto")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -70,31 +71,57 @@ def setup(device="auto", dtype="auto", seed=1337):
     return Env(device, getattr(torch, dtype), rank, local_rank, world_size)
 
 
+def on_master(env, fn, what):
+    """fn() on rank 0 only, the others waiting. If it fails, every rank fails (the others with one line
+    that points at rank 0's message), so that no rank is left hanging in a collective."""
+    error, result = None, None
+    if env.master:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+    if env.distributed:
+        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL broadcasts CUDA tensors only
+        dist.broadcast(flag, 0)
+        if flag.item() and error is None:
+            raise UserError(f"rank 0 could not {what}")
+    if error is not None:
+        raise error
+    return result
+
+
 def teardown():
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def peak_flops(device):
-    """Peak dense bf16 FLOP/s of a known GPU by name; otherwise a measured matmul rate (bf16 on a GPU,
-    fp32 on the CPU)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("A10", 125e12),
-                           ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12)):
+# Peak dense bf16 tensor-core FLOP/s by GPU name (without sparsity); the first key found in the name wins.
+GPU_PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                 ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12))
+
+
+def peak_flops(env, given=0.0):
+    """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
+    when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU) or 8192^2
+    (GPU) matmul in the run's dtype over half a second, with the run's threads."""
+    if given > 0:
+        return given
+    if env.device.type == "cuda" and env.dtype == torch.bfloat16:
+        name = torch.cuda.get_device_name(env.device)
+        for key, flops in GPU_PEAK_BF16:
             if key in name:
                 return flops
-    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    a @ a
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0, count = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 0.2:
+    n = 8192 if env.device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=env.device, dtype=env.dtype)
+    sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
+    best, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        sync()
+        t0 = time.perf_counter()
         a @ a
-        count += 1
-    sync()
-    return 2 * n ** 3 * count / (time.perf_counter() - t0)
+        sync()
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -108,7 +135,7 @@ class Batches:
 
     def __init__(self, tokens, block_size, batch_size, device, seed, split_id):
         if len(tokens) <= block_size + 1:
-            raise ValueError(f"the data has {len(tokens)} tokens, fewer than block_size + 2 = {block_size + 2}")
+            raise UserError(f"the data has {len(tokens)} tokens, fewer than block_size + 2 = {block_size + 2}")
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.device, self.seed, self.split_id = device, seed, split_id
 
@@ -120,37 +147,3 @@ class Batches:
         if self.device.type == "cuda":
             xy = xy.pin_memory().to(self.device, non_blocking=True)
         return xy[:, :-1], xy[:, 1:]
-
-
-# -- checkpoints --------------------------------------------------------------------------------
-
-def save_checkpoint(obj, path):
-    """torch.save to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, kind=CHECKPOINT_KIND, map_location="cpu"):
-    """A checkpoint dict, loaded with weights_only=True; a missing file or one of another kind is one clear error."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`, or pass --init_from=PATH)")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from e
-    found = ckpt.get("kind") if isinstance(ckpt, dict) else None
-    if found != kind:
-        raise ValueError(f"{path} holds a {found or 'foreign object'} checkpoint, not a {kind} checkpoint")
-    return ckpt
-
-
-def clean_state_dict(state_dict):
-    """Strip wrapper prefixes (torch.compile's `_orig_mod.`, DDP's `module.`) from parameter names."""
-    out = {}
-    for key, value in state_dict.items():
-        for prefix in ("_orig_mod.", "module."):
-            key = key.replace(prefix, "")
-        out[key] = value
-    return out

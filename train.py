@@ -16,10 +16,10 @@ data position and RNG state of a run.
 """
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import checkpoints
 import prepare
 import runtime
-from configurator import parse_config, run_main
+from configurator import ConfigError, UserError, parse_config, run_main
 from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
@@ -75,6 +76,7 @@ class TrainConfig:
     gpus: int = 0  # processes to plan for in a dry run (0: the torchrun world size)
     gpu_memory_gb: float = 80.0  # memory per GPU that a dry run plans against
     stop_at: int = 0  # checkpoint and stop after this iteration, schedule unchanged (0: run to max_iters)
+    peak_flops: float = 0.0  # peak FLOP/s of one device for the MFU figure (0: a known GPU's, else measured)
     convert: str = ""  # a sharded checkpoint folder: write the single-file ckpt.pt beside it, and stop
 
     def __post_init__(self):
@@ -119,6 +121,8 @@ def flops_per_token(mcfg, hyper_params, tokens_per_forward):
     steps and the head, attention scores, and the hypernetwork's weight generation spread over the
     tokens of one forward pass."""
     evals = mcfg.n_layer * len(SOLVERS[mcfg.solver]) if mcfg.is_ode else mcfg.n_layer
+    # attention: q k^T and the weighted sum of v, 2 x 2 T C per token, counted causally (half of it): the
+    # masked half is never computed by flash attention. PaLM's and nanoGPT's MFU count both halves.
     forward = 2 * (evals * block_params(mcfg) + mcfg.n_embd * mcfg.vocab_size) + 2 * evals * mcfg.block_size * mcfg.n_embd
     forward += 2 * hyper_params * (evals if mcfg.model_type == "diffeq" else 0) / tokens_per_forward
     return 3 * forward
@@ -152,7 +156,7 @@ def dry_run(mcfg, cfg, world, verbose=True):
         print_plan(model, plan, total, mcfg, cfg, world)
     if total > cfg.gpu_memory_gb:
         hint = " with parallel='fsdp' under torchrun" if cfg.parallel == "ddp" or world == 1 else ", a smaller batch_size or checkpoint=True"
-        raise ValueError(f"this plan needs ~{total:.0f} GiB per GPU and does not fit in {cfg.gpu_memory_gb:g} GiB; "
+        raise UserError(f"this plan needs ~{total:.0f} GiB per GPU and does not fit in {cfg.gpu_memory_gb:g} GiB; "
                          f"shard it{hint} (see --dry_run)")
     return plan
 
@@ -199,74 +203,46 @@ def build(model, cfg, env):
     return model, raw
 
 
-# -- checkpoints -------------------------------------------------------------------------------------
+# -- checkpoints (the files themselves: checkpoints.py) ----------------------------------------------
 
-def checkpoint_path(out_dir, sharded):
-    return os.path.join(out_dir, "ckpt_sharded" if sharded else "ckpt.pt")
+def sharded(cfg, env):
+    return env.distributed and cfg.parallel == "fsdp"
 
 
 def save(model, raw, optimizer, state, cfg, env, extra):
-    """Write the run's checkpoint: one file (rank 0 only), or a torch.distributed.checkpoint folder
+    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP the folder out_dir/ckpt_sharded
     that every rank writes its own shards to, so 6.5B parameters are never gathered on one rank."""
-    if env.distributed and cfg.parallel == "fsdp":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-        final, tmp = checkpoint_path(cfg.out_dir, True), checkpoint_path(cfg.out_dir, True) + ".tmp"
-        if env.master and os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        dist.barrier()
-        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(tmp, "optimizer"))
-        if env.master:
-            runtime.save_checkpoint({"kind": runtime.CHECKPOINT_KIND, **extra, **state}, os.path.join(tmp, "meta.pt"))
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        dist.barrier()
-        return
-    if env.master:
-        runtime.save_checkpoint({"kind": runtime.CHECKPOINT_KIND, **extra, **state, "model": raw.state_dict(),
-                                 "optimizer": optimizer.state_dict()}, checkpoint_path(cfg.out_dir, False))
+    meta = {"kind": checkpoints.MODEL, **extra, **state}
+    if sharded(cfg, env):
+        checkpoints.save_sharded(model, optimizer, meta, os.path.join(cfg.out_dir, "ckpt_sharded"), state["iter_num"], env.master)
+    elif env.master:
+        checkpoints.save({**meta, "model": raw.state_dict(), "optimizer": optimizer.state_dict()},
+                         os.path.join(cfg.out_dir, "ckpt.pt"))
 
 
-def load_run_checkpoint(cfg, env, kind=runtime.CHECKPOINT_KIND):
-    """The checkpoint to resume from: the single file, or the sharded folder's meta.pt (no weights)."""
-    sharded = checkpoint_path(cfg.out_dir, True)
-    if env.distributed and cfg.parallel == "fsdp":
-        return runtime.load_checkpoint(os.path.join(sharded, "meta.pt"), kind)
-    if os.path.isdir(sharded) and not os.path.exists(checkpoint_path(cfg.out_dir, False)):
-        raise ValueError(f"{cfg.out_dir} holds a sharded checkpoint: resume it under torchrun with --parallel=fsdp, "
-                         f"or convert it first with --convert={sharded}")
-    return runtime.load_checkpoint(checkpoint_path(cfg.out_dir, False), kind)
+def load_run_checkpoint(cfg, env, kind=checkpoints.MODEL):
+    """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no weights)."""
+    folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
+    if sharded(cfg, env):
+        return checkpoints.load(os.path.join(checkpoints.latest_sharded(folder), "meta.pt"), kind)
+    if os.path.isdir(folder) and not os.path.exists(single):
+        raise UserError(f"{cfg.out_dir} holds a sharded checkpoint: resume it under torchrun with --parallel=fsdp, "
+                        f"or convert it first with --convert={folder}")
+    return checkpoints.load(single, kind)
 
 
 def restore(model, raw, optimizer, ckpt, cfg, env):
-    """Load model and optimizer state into the built model, from `ckpt` or the sharded folder."""
-    if env.distributed and cfg.parallel == "fsdp":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
-        path = checkpoint_path(cfg.out_dir, True)
-        msd = get_model_state_dict(model)
-        dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
-        set_model_state_dict(model, msd)
-        osd = get_optimizer_state_dict(model, optimizer)
-        dcp.load(osd, checkpoint_id=os.path.join(path, "optimizer"))
-        set_optimizer_state_dict(model, optimizer, osd)
+    """Load model and optimizer state into the built model, from `ckpt` or the sharded folder. A file
+    without optimizer state (converted from shards, or merged) resumes with a fresh AdamW state."""
+    if sharded(cfg, env):
+        checkpoints.load_sharded(model, optimizer, os.path.join(cfg.out_dir, "ckpt_sharded"))
         return
-    raw.load_state_dict(runtime.clean_state_dict(ckpt["model"]))
-    optimizer.load_state_dict(ckpt["optimizer"])
-
-
-def convert_sharded(src, dst):
-    """A sharded checkpoint folder -> the ordinary single file (model only) that the other scripts load."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    meta = runtime.load_checkpoint(os.path.join(src, "meta.pt"))
-    tmp = dst + ".model.tmp"
-    dcp_to_torch_save(os.path.join(src, "model"), tmp)
-    model = torch.load(tmp, weights_only=True)
-    os.remove(tmp)
-    runtime.save_checkpoint({**meta, "model": runtime.clean_state_dict(model), "optimizer": None}, dst)
+    raw.load_state_dict(checkpoints.clean_state_dict(ckpt["model"]))
+    if ckpt.get("optimizer") is None:
+        env.print("note: the checkpoint holds no optimizer state (a converted or merged file): AdamW starts afresh, "
+                  "so the run continues but does not reproduce an uninterrupted one")
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
 
 
 # -- evaluation and the loop ----------------------------------------------------------------------------
@@ -313,32 +289,39 @@ def plot_losses(log_path, png_path):
     plt.close(fig)
 
 
+def trim_log(log_path, start_iter):
+    """A fresh run starts a new log; a resumed one keeps only the rows up to its checkpoint (the
+    evaluation at start_iter, not the training rows a killed run wrote after it)."""
+    if start_iter == 0 or not os.path.exists(log_path):
+        if os.path.exists(log_path):
+            os.remove(log_path)
+        return
+    with open(log_path) as f:
+        rows = [line for line in f if line.strip()]
+    kept = [line for line in rows if (r := json.loads(line))["iter"] < start_iter or (r["iter"] == start_iter and "val_loss" in r)]
+    with open(log_path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(log_path + ".tmp", log_path)
+
+
 def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf"), optimizer=None):
     """The training loop. `extra` is stored in every checkpoint (configs, data description).
     Returns the evaluation history."""
     mcfg = raw.cfg
-    if cfg.gradient_accumulation_steps % env.world_size:
-        raise ValueError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
-                         f"{env.world_size} processes; use a multiple of {env.world_size}")
-    accum = cfg.gradient_accumulation_steps // env.world_size
+    accum = cfg.gradient_accumulation_steps // env.world_size  # check_launch made sure it divides
     optimizer = optimizer or configure_optimizer(raw, cfg, env.device)
     batches = {split: runtime.Batches(prepare.load_tokens(data, split), mcfg.block_size, cfg.batch_size,
                                       env.device, cfg.seed, i) for i, split in enumerate(("train", "val"))}
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
     hyper_params = sum(p.numel() for p in raw.hyper.parameters()) if mcfg.model_type == "diffeq" else 0
     flops_per_iter = flops_per_token(mcfg, hyper_params, cfg.batch_size * mcfg.block_size) * tokens_per_iter
-    peak = runtime.peak_flops(env.device) * env.world_size
+    peak = runtime.peak_flops(env, cfg.peak_flops) * env.world_size
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     if env.master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        if start_iter == 0 and os.path.exists(log_path):
-            os.remove(log_path)
+        trim_log(log_path, start_iter)
     wandb = None
     if cfg.wandb and env.master:
-        try:
-            import wandb
-        except ImportError as e:
-            raise ValueError("--wandb needs the wandb package: pip install wandb") from e
+        import wandb
         wandb.init(project=cfg.wandb_project, config={**asdict(cfg), **mcfg.to_dict()})
 
     def log(row):
@@ -415,23 +398,21 @@ def sync(model, last, cfg, env):
 
 # -- the script ---------------------------------------------------------------------------------------
 
+def check_launch(cfg):
+    """What the config alone decides, checked before any data, model or process group is touched."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.gradient_accumulation_steps % world:
+        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
+                          f"{world} processes; use a multiple of {world}")
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb needs the wandb package: pip install wandb")
+
+
 def prepare_data(cfg, env):
     """The prepared token folder for cfg.dataset; rank 0 prepares it, the others wait."""
     args = dict(dataset=cfg.dataset, tokenizer=cfg.tokenizer, input_file=cfg.input_file, val_file=cfg.val_file,
                 data_root=cfg.data_root)
-    error = None
-    if env.master:
-        try:
-            prepare.prepare(**args)
-        except (ValueError, OSError) as e:
-            error = e
-    if env.distributed:
-        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL broadcasts CUDA tensors only
-        dist.broadcast(flag, 0)
-        if flag.item() and error is None:
-            raise ValueError("rank 0 could not prepare the data")
-    if error is not None:
-        raise error
+    runtime.on_master(env, lambda: prepare.prepare(**args), "prepare the data")
     return prepare.data_dir_of(cfg.data_root, cfg.dataset, cfg.tokenizer)
 
 
@@ -440,12 +421,12 @@ def model_config_for(mcfg, cfg, env, given, data):
     command line cannot change a trained model's shape), else the given one with the data's vocabulary."""
     vocab = prepare.load_meta(data)["vocab_size"]
     if cfg.init_from != "scratch":
-        ckpt = load_run_checkpoint(cfg, env) if cfg.init_from == "resume" else runtime.load_checkpoint(cfg.init_from)
+        ckpt = load_run_checkpoint(cfg, env) if cfg.init_from == "resume" else checkpoints.load(cfg.init_from)
         # the shape is the checkpoint's; dropout, activation checkpointing and the solver may change
         saved = ModelConfig(**{**ckpt["model_config"], **{k: getattr(mcfg, k) for k in RUNTIME_KEYS if k in given}})
         if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
-            raise ValueError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary {saved.vocab_size}); "
-                             f"the data is {cfg.tokenizer} tokens: use --tokenizer={ckpt.get('tokenizer')}")
+            raise UserError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary {saved.vocab_size}); "
+                            f"the data is {cfg.tokenizer} tokens: use --tokenizer={ckpt.get('tokenizer')}")
         ignored = sorted(k for k in given if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k))
         if ignored:
             env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join('--' + k for k in ignored)}")
@@ -453,8 +434,28 @@ def model_config_for(mcfg, cfg, env, given, data):
     if "vocab_size" not in given:
         mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": vocab + (-vocab) % 64})  # padded to a multiple of 64
     if mcfg.vocab_size < vocab:
-        raise ValueError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab}")
+        raise UserError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab}")
     return mcfg, None
+
+
+def summary(model, cfg, env, data):
+    """The run in a few readable lines (the full configs go into every checkpoint)."""
+    m, meta = model.cfg, prepare.load_meta(data)
+    depth = f"{m.n_layer} {m.solver} steps" if m.is_ode else f"{m.n_layer} layers"
+    hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
+    tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
+    return "\n".join([
+        f"model     {m.model_type} ({m.flavor} flavour), {model.num_params() / 1e6:,.2f}M parameters: {depth}, "
+        f"width {m.n_embd}, {m.n_head} heads, context {m.block_size}{hyper}, dropout {m.dropout}",
+        f"data      {data}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+        f"({meta['tokenizer']}, vocabulary {meta['vocab_size']:,})",
+        f"training  {cfg.max_iters:,} iterations of {tokens:,} tokens ({cfg.batch_size} sequences x "
+        f"{cfg.gradient_accumulation_steps} micro-steps), AdamW lr {cfg.learning_rate:g} -> {cfg.min_lr_ratio * cfg.learning_rate:g}, "
+        f"betas ({cfg.beta1}, {cfg.beta2}), weight decay {cfg.weight_decay:g}",
+        f"system    {env.device} {str(env.dtype).removeprefix('torch.')}, {env.world_size} process"
+        f"{'es' * (env.world_size > 1)}{' (' + cfg.parallel + ')' if env.distributed else ''}"
+        f"{', compiled' if cfg.compile else ''}{', activation checkpointing' if m.checkpoint else ''}; writing to {cfg.out_dir}/",
+    ])
 
 
 def main(argv):
@@ -463,25 +464,25 @@ def main(argv):
         dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return
     if cfg.convert:
-        if not os.path.isfile(os.path.join(cfg.convert, "meta.pt")):
-            raise FileNotFoundError(f"{cfg.convert} is not a sharded checkpoint folder (it has no meta.pt)")
         dst = os.path.join(os.path.dirname(os.path.abspath(cfg.convert)), "ckpt.pt")
-        convert_sharded(cfg.convert, dst)
+        checkpoints.convert_sharded(cfg.convert, dst)
         print(f"wrote {dst}")
         return
+    check_launch(cfg)
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
+    lock = None
     try:
+        lock = runtime.on_master(env, lambda: checkpoints.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         data = prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
-        env.print(f"model: {mcfg}\ntraining: {cfg}")
         if env.device.type == "cuda":  # refuse a plan that cannot fit before an out-of-memory traceback does
             memory = torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30
             dry_run(mcfg, dataclasses.replace(cfg, gpu_memory_gb=memory, gpus=env.world_size), env.world_size, verbose=False)
         with torch.device(env.device):
             model = DiffEqFormer(mcfg)
-        env.print(f"{model.num_params() / 1e6:.2f}M parameters ({mcfg.model_type}, {mcfg.flavor} flavour)")
+        env.print(summary(model, cfg, env, data))
         if ckpt is not None and cfg.init_from != "resume":
-            model.load_state_dict(runtime.clean_state_dict(ckpt["model"]))
+            model.load_state_dict(checkpoints.clean_state_dict(ckpt["model"]))
             env.print(f"starting from the weights of {cfg.init_from}")
         model, raw = build(model, cfg, env)
         optimizer = configure_optimizer(raw, cfg, env.device)
@@ -493,6 +494,8 @@ def main(argv):
         extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data, tokenizer=cfg.tokenizer)
         fit(model, raw, cfg, env, data, extra, start, best, optimizer)
     finally:
+        if lock:
+            lock.close()
         runtime.teardown()
 
 

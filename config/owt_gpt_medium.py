@@ -1,5 +1,5 @@
 # GPT-medium on OpenWebText (SPEC 7); --model_type=baseline for GPT.
-exec(open("config/owt_gpt_small.py").read())
+include("owt_gpt_small.py")
 out_dir = "out-owt-gpt-medium"
 n_layer = 24
 n_head = 16

@@ -1,6 +1,6 @@
 # The model the paper pretrains for adaptive fine-tuning (SPEC 5, 7): 18 steps, then finetune.py with
 # --steps in {9, 12, 18, 24}. --dataset=wikitext103 for the reverse direction.
-exec(open("config/owt_gpt_medium.py").read())
+include("owt_gpt_medium.py")
 out_dir = "out-pretrain18"
 n_layer = 18
 d_t = 100

@@ -1,5 +1,5 @@
 # GPT-medium on WikiText-103 (SPEC 7); --model_type=baseline for GPT.
-exec(open("config/owt_gpt_medium.py").read())
+include("owt_gpt_medium.py")
 out_dir = "out-wt103-gpt-medium"
 dataset = "wikitext103"
 d_t = 48

@@ -1,5 +1,5 @@
 # GPT-small on WikiText-103 (SPEC 7); --model_type=baseline for GPT.
-exec(open("config/owt_gpt_small.py").read())
+include("owt_gpt_small.py")
 out_dir = "out-wt103-gpt-small"
 dataset = "wikitext103"
 gradient_accumulation_steps = 16  # 256 sequences per iteration

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import checkpoints
 import finetune
 import prepare
 import runtime
@@ -60,7 +61,7 @@ def test_one_step_changes_only_adapters_and_merge_is_exact():
 def test_baseline_refuses_other_depths(tmp_path):
     gpt = DiffEqFormer(ModelConfig(**{**TINY, "model_type": "baseline"}))
     path = tmp_path / "gpt.pt"
-    runtime.save_checkpoint(dict(kind=runtime.CHECKPOINT_KIND, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
     with pytest.raises(ValueError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):
         finetune.load_base(str(path), 9, torch.device("cpu"))
     same, _ = finetune.load_base(str(path), 0, torch.device("cpu"))
@@ -75,10 +76,10 @@ def test_missing_and_wrong_kind_checkpoints_fail_with_one_line(tmp_path):
     done = script(f"--init_from={tmp_path / 'none.pt'}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "does not exist" in done.stderr
     adapters = tmp_path / "adapters.pt"
-    torch.save({"kind": finetune.ADAPTER_KIND}, adapters)
+    torch.save({"kind": checkpoints.ADAPTERS}, adapters)
     done = script(f"--init_from={adapters}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
-    assert f"holds a {finetune.ADAPTER_KIND} checkpoint" in done.stderr
+    assert f"holds a {checkpoints.ADAPTERS} checkpoint" in done.stderr
 
 
 def test_steps_9_lora_end_to_end(tmp_path, shakespeare, wikitext2):
@@ -95,12 +96,12 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare, wikitext2):
     results = json.load(open(tmp_path / "ft" / "results.json"))
     assert results["steps"] == 9 and results["lora"]
     assert results["after"]["val_loss"] < results["before"]["val_loss"] - 0.05
-    adapters = runtime.load_checkpoint(str(tmp_path / "ft" / "adapters.pt"), kind=finetune.ADAPTER_KIND)
+    adapters = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)
     assert adapters["steps"] == 9 and adapters["rank"] == 8 and adapters["targets"] == "attn,proj,fc,fc2,gate,up,down"
     assert adapters["adapters"] and all(k.endswith((".A", ".B")) for k in adapters["adapters"])
 
     merged_path = finetune.merge_file(str(tmp_path / "ft" / "adapters.pt"))
-    merged = runtime.load_checkpoint(merged_path)
+    merged = checkpoints.load(merged_path)
     model = DiffEqFormer(ModelConfig(**merged["model_config"]))
     model.load_state_dict(merged["model"])
     assert model.cfg.model_type == "materialized" and model.cfg.n_layer == 9
@@ -126,8 +127,8 @@ def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     finetune.main([*cmd[cmd.index("finetune.py") + 1:-1], f"--out_dir={tmp_path / 'one'}"])  # one process, same batches
-    ddp = runtime.load_checkpoint(str(tmp_path / "ft" / "adapters.pt"), kind=finetune.ADAPTER_KIND)["adapters"]
-    one = runtime.load_checkpoint(str(tmp_path / "one" / "adapters.pt"), kind=finetune.ADAPTER_KIND)["adapters"]
+    ddp = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
+    one = checkpoints.load(str(tmp_path / "one" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
     assert any(k.endswith(".B") and v.abs().max() > 0 for k, v in ddp.items())  # the adapters trained
     for k in one:
         assert torch.allclose(ddp[k], one[k], atol=1e-5), k
@@ -152,8 +153,8 @@ def test_lora_run_resumes_exactly(tmp_path, shakespeare):
     assert sorted(resumed) == list(range(8))
     for it in range(4, 8):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
-    a = runtime.load_checkpoint(str(tmp_path / "a" / "adapters.pt"), kind=finetune.ADAPTER_KIND)
-    b = runtime.load_checkpoint(str(tmp_path / "b" / "adapters.pt"), kind=finetune.ADAPTER_KIND)
+    a = checkpoints.load(str(tmp_path / "a" / "adapters.pt"), kind=checkpoints.ADAPTERS)
+    b = checkpoints.load(str(tmp_path / "b" / "adapters.pt"), kind=checkpoints.ADAPTERS)
     assert b["base_checkpoint"] == a["base_checkpoint"] and b["rank"] == 8
     for k in a["adapters"]:
         assert torch.allclose(a["adapters"][k], b["adapters"][k], atol=1e-6), k

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import checkpoints
 import runtime
 import train
 from configurator import ConfigError, parse_config
@@ -32,9 +33,39 @@ def test_configurator_flag_forms_and_types(tmp_path):
     opts, given = parse_config([str(cfg_file), "--steps", "9", "--lora", "--lr=2", "--name", "-x"], Opts)
     assert (opts.steps, opts.lr, opts.lora, opts.name) == (9, 2.0, True, "-x")
     assert type(opts.lr) is float and given == {"steps", "lr", "lora", "name"}
-    assert parse_config(["--lora", "--no-lora"], Opts)[0].lora is False
     assert parse_config(["--lora=false"], Opts)[0].lora is False
+    assert parse_config(["--lora=True"], Opts)[0].lora is True
+    assert parse_config(["--lora", "false", "--steps", "010"], Opts)[0].lora is False  # --compile false
+    assert parse_config(["--steps=010"], Opts)[0].steps == 10  # decimal, not octal
+    assert parse_config(["--lora", str(cfg_file)], Opts)[0].steps == 12  # a config file is not a flag's value
     assert parse_config([], Opts, default_file=str(cfg_file))[0].steps == 12
+
+
+def test_config_files_include_others_relative_to_themselves(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "base.py").write_text("steps = 3\nname = 'base'\n")
+    (tmp_path / "sub" / "top.py").write_text("include('base.py')\nname = 'top'\n")
+    monkeypatch.chdir(tmp_path)  # not the including file's folder
+    opts, _ = parse_config(["sub/top.py"], Opts)
+    assert (opts.steps, opts.name) == (3, "top")
+
+
+def test_scripts_find_their_config_files_from_another_directory(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "config/llama1b.py", "--dry_run", "--gpus=8"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "ODE" in done.stdout or "diffeq (llama)" in done.stdout
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--dry_run"], cwd=tmp_path,
+                          capture_output=True, text=True)  # the default config, config/shakespeare.py
+    assert done.returncode == 0 and "6 steps, d_t=16" in done.stdout, done.stderr
+
+
+def test_help_lists_every_key_with_its_default_and_comment(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--help"], ModelConfig, train.TrainConfig)
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "--d_t=20 (int)  time-embedding dimension" in out and "--max_iters=2000 (int)" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -43,6 +74,10 @@ def test_configurator_flag_forms_and_types(tmp_path):
     (["--stpes=9"], "unknown config key 'stpes' on the command line; valid keys: lora, lr, name, steps"),
     (["--steps"], "--steps needs a value"),
     (["missing.py"], "config file missing.py does not exist"),
+    (["--lora", "--no-lora"], "--lora is given twice on the command line"),
+    (["--lr=nan"], "--lr must be a finite number"),
+    (["--lr=-inf"], "--lr must be a finite number"),
+    (["--steps=0x10"], "--steps expects int"),
 ])
 def test_configurator_errors_are_one_clear_line(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -88,7 +123,7 @@ def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0] - 0.5
     assert os.path.getsize(tmp_path / "out" / "loss.png") > 5000
-    ckpt = runtime.load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    ckpt = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))
     assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
 
 
@@ -96,7 +131,7 @@ def test_resume_continues_exactly(tmp_path, shakespeare):
     common = [f"--input_file={shakespeare}", "--max_iters=10", "--eval_interval=5", "--dropout=0.1"]
     straight = losses(run(tmp_path, *common, out="a"))
     run(tmp_path, *common, "--stop_at=5", out="b")
-    resumed = losses(run(tmp_path, *common, "--init_from=resume", "--n_layer=7", out="b"))  # shape from the checkpoint
+    resumed = losses(run(tmp_path, *common, "--init_from=resume", "--ffn_dim=64", out="b"))  # shape from the checkpoint
     assert sorted(resumed) == list(range(10))
     for it in range(5, 10):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
@@ -105,26 +140,20 @@ def test_resume_continues_exactly(tmp_path, shakespeare):
 def test_compiled_run_checkpoint_loads_into_plain_model(tmp_path, shakespeare):
     torch._dynamo.reset()
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2", "--compile")
-    ckpt = runtime.load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    ckpt = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
-    assert runtime.clean_state_dict({"module._orig_mod.wte.weight": 1}) == {"wte.weight": 1}
+    assert checkpoints.clean_state_dict({"module._orig_mod.wte.weight": 1}) == {"wte.weight": 1}
 
 
-def test_wrong_checkpoint_kind_and_missing_file(tmp_path):
-    torch.save({"kind": "lora-adapters"}, tmp_path / "a.pt")
-    with pytest.raises(ValueError, match="holds a lora-adapters checkpoint"):
-        runtime.load_checkpoint(str(tmp_path / "a.pt"))
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        runtime.load_checkpoint(str(tmp_path / "none.pt"))
-
-
-def test_accumulation_must_divide_among_processes(tmp_path):
-    env = runtime.Env(torch.device("cpu"), torch.float32, world_size=2)
-    model = DiffEqFormer(ModelConfig(n_layer=1, n_embd=8, n_head=1, vocab_size=8, block_size=4, d_t=2, time_freqs=2))
-    cfg = train.TrainConfig(gradient_accumulation_steps=3, out_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=3 does not divide among 2 processes"):
-        train.fit(model, model, cfg, env, str(tmp_path), {})
+def test_accumulation_that_does_not_divide_is_refused_once_before_any_work(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+           "--gradient_accumulation_steps=3", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: gradient_accumulation_steps=3 does not divide among 2 processes; use a multiple of 2"]
+    assert not os.path.exists(tmp_path / "data") and not os.path.exists(tmp_path / "out")  # no data, no out_dir
 
 
 def test_weight_decay_groups():
@@ -173,9 +202,9 @@ def test_two_processes_match_one(tmp_path, shakespeare, parallel):
     path = str(tmp_path / "two" / "ckpt.pt")
     if parallel == "fsdp":
         train.main([f"--convert={tmp_path / 'two' / 'ckpt_sharded'}"])
-    ckpt = runtime.load_checkpoint(path)
+    ckpt = checkpoints.load(path)
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
-    reference = runtime.load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))
+    reference = checkpoints.load(str(tmp_path / "one" / "ckpt.pt"))
     for k, v in reference["model"].items():
         assert torch.allclose(ckpt["model"][k], v, atol=1e-4), k
 

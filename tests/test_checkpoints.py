@@ -1,0 +1,154 @@
+"""checkpoints.py: safe loads, atomic sharded saves that survive a kill at any point, one run per
+out_dir, and resumption that leaves neither duplicate log rows nor orphaned temporary files."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import checkpoints
+import train
+from configurator import UserError
+from model import DiffEqFormer, ModelConfig
+
+from conftest import ROOT, TINY
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "does not exist"),
+    (b"", "is empty (0 bytes)"),
+    (os.urandom(4096), "is not a PyTorch checkpoint this project can read"),
+    ("adapters", "holds a lora-adapters checkpoint, not a diffeqformer-model checkpoint"),
+])
+def test_bad_checkpoint_files_are_one_line_without_unsafe_advice(tmp_path, content, message):
+    path = tmp_path / "ckpt.pt"
+    if content == "adapters":
+        torch.save({"kind": "lora-adapters"}, path)
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(UserError) as e:
+        checkpoints.load(str(path))
+    assert message in str(e.value) and "\n" not in str(e.value) and "weights_only" not in str(e.value)
+
+
+def test_clean_state_dict_strips_only_leading_wrapper_prefixes():
+    cleaned = checkpoints.clean_state_dict({"module._orig_mod.wte.weight": 1, "layers.0.submodule.weight": 2,
+                                            "_orig_mod.layers.0.module.bias": 3})
+    assert cleaned == {"wte.weight": 1, "layers.0.submodule.weight": 2, "layers.0.module.bias": 3}
+
+
+# -- sharded checkpoints, in a one-process gloo group ----------------------------------------------
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded_model(seed):
+    torch.manual_seed(seed)
+    model = train.shard(DiffEqFormer(ModelConfig(**TINY)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def plain(model):
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_path, process_group, monkeypatch):
+    folder = str(tmp_path / "out" / "ckpt_sharded")
+    model, optimizer = sharded_model(0)
+    checkpoints.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 1}, folder, 1, True)
+    first = plain(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    import torch.distributed.checkpoint as dcp
+    real_save, real_replace = dcp.save, os.replace
+
+    def kill():
+        raise KeyboardInterrupt
+
+    def kill_on_call(n, real):
+        """`real`, but its n-th call (from 1) is killed."""
+        calls = []
+
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                kill()
+            return real(*args, **kwargs)
+        return wrapped
+
+    kills = [(dcp, "save", kill_on_call(1, real_save)),  # while writing the model's shards
+             (dcp, "save", kill_on_call(2, real_save)),  # while writing the optimizer's
+             (checkpoints, "save", lambda *a: kill()),  # before meta.pt
+             (os, "replace", lambda src, dst: kill() if dst.endswith("LATEST") else real_replace(src, dst))]  # before LATEST
+    for where, name, killed in kills:
+        monkeypatch.setattr(where, name, killed)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoints.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
+        monkeypatch.undo()
+        assert checkpoints.latest_sharded(folder).endswith("iter_0000001"), name
+        fresh, fresh_optimizer = sharded_model(1)
+        checkpoints.load_sharded(fresh, fresh_optimizer, folder)
+        assert all(torch.equal(v, first[k]) for k, v in plain(fresh).items())
+    checkpoints.lock(str(tmp_path / "out")).close()  # the next run cleans up the incomplete iter_0000002
+    assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000001"]
+    checkpoints.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
+    assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000002"]  # the old one goes once the new one is named
+    checkpoints.convert_sharded(folder, str(tmp_path / "ckpt.pt"))
+    converted = checkpoints.load(str(tmp_path / "ckpt.pt"))
+    assert converted["iter_num"] == 2 and converted["optimizer"] is None
+    assert all(torch.equal(converted["model"][k], v) for k, v in plain(model).items())
+
+
+# -- one run per out_dir -----------------------------------------------------------------------------
+
+def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
+    held = checkpoints.lock(str(tmp_path / "out"))
+    try:
+        done = subprocess.run([sys.executable, "train.py", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2
+        assert done.stderr.strip().splitlines() == [
+            f"error: {tmp_path / 'out'} is in use by a run that is still going (pid {os.getpid()}); wait for it to "
+            f"finish or choose another --out_dir"]
+        with pytest.raises(UserError, match="is in use by a run that is still going"):
+            checkpoints.lock(str(tmp_path / "out"))
+    finally:
+        held.close()
+    checkpoints.lock(str(tmp_path / "out")).close()  # free again once the holder is gone
+
+
+def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(tmp_path, shakespeare):
+    args = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4", "--batch_size=4",
+            "--eval_iters=2", "--log_interval=1", "--max_iters=8", "--eval_interval=4", f"--input_file={shakespeare}",
+            f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
+    train.main([*args, "--stop_at=4"])
+    log = tmp_path / "out" / "log.jsonl"
+    with open(log, "a") as f:  # what a run killed after its checkpoint at 4 would have gone on to write
+        for it in (4, 5, 6):
+            f.write(json.dumps(dict(iter=it, loss=9.9)) + "\n")
+    (tmp_path / "out" / "ckpt.pt.tmp4242").write_bytes(b"half a checkpoint")
+    train.main([*args, "--init_from=resume"])
+    rows = [json.loads(line) for line in open(log)]
+    assert sorted(r["iter"] for r in rows if "loss" in r) == list(range(8)) and 9.9 not in [r.get("loss") for r in rows]
+    assert [r["iter"] for r in rows if "val_loss" in r] == [0, 4, 8]
+    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "ckpt.pt", "log.jsonl", "loss.png"]
+
+
+def test_resume_from_a_file_without_optimizer_state_starts_a_fresh_optimizer(tmp_path, shakespeare, capsys):
+    args = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4", "--batch_size=4",
+            "--eval_iters=2", "--max_iters=4", "--eval_interval=2", f"--input_file={shakespeare}",
+            f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
+    train.main([*args, "--stop_at=2"])
+    path = tmp_path / "out" / "ckpt.pt"
+    checkpoints.save({**checkpoints.load(str(path)), "optimizer": None}, str(path))  # as --convert writes it
+    train.main([*args, "--init_from=resume"])
+    assert "holds no optimizer state" in capsys.readouterr().out
+    assert checkpoints.load(str(path))["iter_num"] == 4
