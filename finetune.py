@@ -43,7 +43,8 @@ class FinetuneConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: str = "all"  # block linears to adapt, by name (attn, proj, fc, fc2 / gate, up, down), or all
-    merge: str = ""  # an adapters file to merge into its base checkpoint (--init_from=PATH names a moved base)
+    merge: str = ""  # an adapters file to merge into its base checkpoint, instead of training
+    merge_base: str = ""  # with --merge: the base checkpoint, if it moved since the adapters were trained
 
     def __post_init__(self):
         if self.steps < 0:
@@ -138,8 +139,8 @@ def check_base(path, sha256):
     """Refuse a base checkpoint that is not the file the adapters or the run were trained on."""
     if checkpoints.file_hash(path) != sha256:
         raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run started (its sha256 no longer "
-                        f"matches): adapters on it would be folded into the wrong weights; pass the original base "
-                        f"checkpoint with --init_from=PATH")
+                        f"matches): adapters on it would be folded into the wrong weights; keep the original base at "
+                        f"that path, or name it with --merge_base=PATH when merging")
 
 
 def adapters_file(model, fcfg, base_path, base_sha256, steps):
@@ -205,7 +206,7 @@ def main(argv):
                                           default_file=DEFAULT_CONFIG)
     check_options(mcfg, fcfg, cfg, given)
     if fcfg.merge:
-        print(f"merged checkpoint: {merge_file(fcfg.merge, cfg.init_from if 'init_from' in given else None)}")
+        print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
         return
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None

@@ -1,5 +1,7 @@
 """finetune.py: materialise + LoRA is exact at init, trains only adapters, merges, and runs end to end."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import finetune
 import prepare
 import runtime
 import train
+from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, TINY
@@ -33,7 +36,7 @@ def tokens():
 def test_lora_with_zero_b_starts_at_the_ode(flavor):
     ode = random_ode(flavor=flavor)
     layers = finetune.add_lora(ode.materialize(), finetune.FinetuneConfig(lora_rank=4)).eval()
-    assert all(torch.count_nonzero(p) == 0 for n, p in layers.named_parameters() if n.endswith(".B"))
+    assert all(torch.count_nonzero(p) == 0 for n, p in layers.named_parameters() if n.endswith(".lora_B"))
     assert (ode(tokens())[0] - layers(tokens())[0]).abs().max() < 1e-5
 
 
@@ -41,12 +44,12 @@ def test_one_step_changes_only_adapters_and_merge_is_exact():
     layers = finetune.add_lora(random_ode().materialize(5), finetune.FinetuneConfig(lora_rank=4)).train()
     before = {k: v.clone() for k, v in layers.state_dict().items()}
     trainable = {n for n, p in layers.named_parameters() if p.requires_grad}
-    assert trainable and all(n.endswith((".A", ".B")) for n in trainable)
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
     optimizer = train.configure_optimizer(layers, train.TrainConfig(learning_rate=1e-2), torch.device("cpu"))
     layers(tokens(), targets=tokens())[1].backward()
     optimizer.step()
     changed = {k for k, v in layers.state_dict().items() if not torch.equal(v, before[k])}
-    assert changed and all(k.endswith((".A", ".B")) for k in changed)
+    assert changed and all(k.endswith((".lora_A", ".lora_B")) for k in changed)
 
     layers.eval()
     unmerged, _ = layers(tokens())
@@ -54,15 +57,42 @@ def test_one_step_changes_only_adapters_and_merge_is_exact():
     merged, _ = layers(tokens())
     assert (merged - unmerged).abs().max() < 1e-5
     assert not any("parametrizations" in k for k in layers.state_dict())
-    with pytest.raises(ValueError, match="merged already"):
+    with pytest.raises(UserError, match="merged already"):
         finetune.merge_lora(layers)
+
+
+def test_merged_weight_is_w_plus_alpha_over_r_times_b_a():
+    """SPEC 5 on hand-set adapters: the merged weight is W + (alpha / r) B A, exactly."""
+    layers = random_ode().materialize(2)
+    W = layers.layers[1].proj.weight.detach().clone()  # (32, 32)
+    finetune.add_lora(layers, finetune.FinetuneConfig(lora_rank=2, lora_alpha=6.0, lora_targets="proj"))
+    lora = layers.layers[1].proj.parametrizations.weight[0]
+    A = torch.arange(64, dtype=torch.float32).view(2, 32) / 64
+    B = torch.linspace(-1, 1, 64).view(32, 2)
+    with torch.no_grad():
+        lora.lora_A.copy_(A)
+        lora.lora_B.copy_(B)
+    finetune.merge_lora(layers)
+    assert torch.allclose(layers.layers[1].proj.weight, W + (6.0 / 2) * B @ A, atol=1e-6)
+
+
+def test_adapters_are_found_by_type_and_targets_by_valid_names():
+    layers = finetune.add_lora(random_ode(flavor="llama").materialize(2),
+                               finetune.FinetuneConfig(lora_rank=2, lora_targets="gate, down"))
+    names = set(finetune.lora_state_dict(layers))
+    assert names == {f"layers.{k}.{m}.parametrizations.weight.0.lora_{ab}" for k in (0, 1) for m in ("gate", "down")
+                     for ab in "AB"}
+    with pytest.raises(UserError) as e:
+        finetune.add_lora(random_ode().materialize(2), finetune.FinetuneConfig(lora_targets="attn,gate"))
+    assert str(e.value) == ("lora_targets='attn,gate': gate is not a linear layer of this gpt model; "
+                            "choose from attn, fc, fc2, proj (comma-separated), or all")
 
 
 def test_baseline_refuses_other_depths(tmp_path):
     gpt = DiffEqFormer(ModelConfig(**{**TINY, "model_type": "baseline"}))
     path = tmp_path / "gpt.pt"
     checkpoints.save(dict(kind=checkpoints.MODEL, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
-    with pytest.raises(ValueError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):
+    with pytest.raises(UserError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):
         finetune.load_base(str(path), 9, torch.device("cpu"))
     same, _ = finetune.load_base(str(path), 0, torch.device("cpu"))
     assert same.cfg.n_layer == 3
@@ -97,8 +127,8 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare, wikitext2):
     assert results["steps"] == 9 and results["lora"]
     assert results["after"]["val_loss"] < results["before"]["val_loss"] - 0.05
     adapters = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)
-    assert adapters["steps"] == 9 and adapters["rank"] == 8 and adapters["targets"] == "attn,proj,fc,fc2,gate,up,down"
-    assert adapters["adapters"] and all(k.endswith((".A", ".B")) for k in adapters["adapters"])
+    assert adapters["steps"] == 9 and adapters["rank"] == 8 and adapters["targets"] == "all"
+    assert adapters["adapters"] and all(k.endswith((".lora_A", ".lora_B")) for k in adapters["adapters"])
 
     merged_path = finetune.merge_file(str(tmp_path / "ft" / "adapters.pt"))
     merged = checkpoints.load(merged_path)
@@ -129,32 +159,85 @@ def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
     finetune.main([*cmd[cmd.index("finetune.py") + 1:-1], f"--out_dir={tmp_path / 'one'}"])  # one process, same batches
     ddp = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
     one = checkpoints.load(str(tmp_path / "one" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
-    assert any(k.endswith(".B") and v.abs().max() > 0 for k, v in ddp.items())  # the adapters trained
+    assert any(k.endswith(".lora_B") and v.abs().max() > 0 for k, v in ddp.items())  # the adapters trained
     for k in one:
         assert torch.allclose(ddp[k], one[k], atol=1e-5), k
 
 
-def test_lora_run_resumes_exactly(tmp_path, shakespeare):
+@pytest.mark.parametrize("lora", [True, False])
+def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakespeare, lora):
+    """--init_from=resume takes base, steps and LoRA-or-full from the run, whatever the command line says."""
     data = f"--data_root={tmp_path / 'data'}"
     train.main(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
                 "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}", data,
                 f"--out_dir={tmp_path / 'pre'}"])
-    common = ["--steps", "3", "--lora_dropout=0.1", f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", data,
-              f"--input_file={shakespeare}", "--dataset=target", "--max_iters=8", "--eval_interval=4",
-              "--eval_iters=2", "--batch_size=4", "--log_interval=1"]
+    common = ["--steps", "3", "--lora_dropout=0.1", "--dropout=0.1", data, f"--input_file={shakespeare}",
+              "--dataset=target", "--max_iters=8", "--eval_interval=4", "--eval_iters=2", "--batch_size=4", "--log_interval=1"]
+    start = [f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", "--lora" if lora else "--no-lora"]
 
     def losses(out):
         return {r["iter"]: r["loss"] for r in map(json.loads, open(tmp_path / out / "log.jsonl")) if "loss" in r}
 
-    finetune.main([*common, f"--out_dir={tmp_path / 'a'}"])
-    finetune.main([*common, "--stop_at=4", f"--out_dir={tmp_path / 'b'}"])
-    finetune.main([*common, "--init_from=resume", "--lora_rank=2", f"--out_dir={tmp_path / 'b'}"])  # rank from the run
+    finetune.main([*common, *start, f"--out_dir={tmp_path / 'a'}"])
+    finetune.main([*common, *start, "--stop_at=4", f"--out_dir={tmp_path / 'b'}"])
+    finetune.main([*common, "--init_from=resume", "--lora_rank=2", f"--out_dir={tmp_path / 'b'}"])  # settings from the run
     straight, resumed = losses("a"), losses("b")
     assert sorted(resumed) == list(range(8))
     for it in range(4, 8):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
-    a = checkpoints.load(str(tmp_path / "a" / "adapters.pt"), kind=checkpoints.ADAPTERS)
-    b = checkpoints.load(str(tmp_path / "b" / "adapters.pt"), kind=checkpoints.ADAPTERS)
-    assert b["base_checkpoint"] == a["base_checkpoint"] and b["rank"] == 8
-    for k in a["adapters"]:
-        assert torch.allclose(a["adapters"][k], b["adapters"][k], atol=1e-6), k
+    if lora:
+        a = checkpoints.load(str(tmp_path / "a" / "adapters.pt"), kind=checkpoints.ADAPTERS)
+        b = checkpoints.load(str(tmp_path / "b" / "adapters.pt"), kind=checkpoints.ADAPTERS)
+        assert b["base_checkpoint"] == a["base_checkpoint"] and b["rank"] == 8
+        pairs = [(a["adapters"][k], b["adapters"][k]) for k in a["adapters"]]
+    else:
+        a, b = (checkpoints.load(str(tmp_path / out / "ckpt.pt"))["model"] for out in ("a", "b"))
+        pairs = [(a[k], b[k]) for k in a]
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in pairs)
+
+
+def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
+    """Adapters and runs record their base's sha256: after the base is retrained in place, merging or
+    resuming is refused; the original base, kept elsewhere, is accepted with --merge_base."""
+    data = f"--data_root={tmp_path / 'data'}"
+    pretrain = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}", data,
+                f"--out_dir={tmp_path / 'pre'}"]
+    train.main(pretrain)
+    base, original = tmp_path / "pre" / "ckpt.pt", tmp_path / "original.pt"
+    shutil.copy(base, original)
+    target = [data, f"--input_file={shakespeare}", "--dataset=target", "--eval_iters=2", "--batch_size=4",
+              f"--out_dir={tmp_path / 'ft'}"]
+    finetune.main(["--steps", "3", f"--init_from={base}", "--max_iters=2", "--eval_interval=2", *target])
+    adapters = str(tmp_path / "ft" / "adapters.pt")
+    train.main([*pretrain, "--seed=7"])  # the base retrained in place: another model at the same path
+    with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
+        finetune.main(["--merge", adapters])
+    with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
+        finetune.main(["--init_from=resume", *target])
+    merged = checkpoints.load(finetune.merge_file(adapters, str(original)))
+    expected, _ = finetune.load_adapted(adapters, str(original))
+    finetune.merge_lora(expected)
+    assert all(torch.equal(v, merged["model"][k]) for k, v in expected.state_dict().items())
+    wrong, _ = finetune.load_base(str(base), 3, torch.device("cpu"))
+    assert not torch.equal(wrong.layers[0].attn.weight, expected.layers[0].attn.weight)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--solver=rk4"], "--solver=rk4: a materialised model is the Euler discretisation"),
+    (["--n_layer=9"], "--n_layer: the fine-tuned depth is --steps N"),
+    (["--d_t=4"], "--d_t: the model's shape comes from the checkpoint; fine-tuning may set only --dropout, --checkpoint"),
+    (["--init_from=scratch"], "finetune.py starts from a checkpoint"),
+    (["--parallel=fsdp"], "finetune.py runs under DDP"),
+])
+def test_options_fine_tuning_cannot_take_are_one_clear_error(argv, message):
+    with pytest.raises(UserError, match=message):
+        finetune.main(argv)
+
+
+def test_dropout_and_activation_checkpointing_reach_the_fine_tuned_model(tmp_path):
+    ode = random_ode()
+    path = tmp_path / "base.pt"
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(path))
+    model, _ = finetune.load_base(str(path), 4, torch.device("cpu"), dropout=0.2, checkpoint=True)
+    assert (model.cfg.dropout, model.cfg.checkpoint, model.cfg.n_layer) == (0.2, True, 4)
