@@ -183,7 +183,7 @@ def merge_file(path, base_path=None):
 def check_options(mcfg, fcfg, cfg, given):
     """What the command line alone decides, before any data or model work."""
     if fcfg.merge:
-        return
+        return cfg
     if cfg.init_from == "scratch":
         raise ConfigError("finetune.py starts from a checkpoint: --init_from=PATH (or resume, to continue a fine-tuning run)")
     if cfg.parallel == "fsdp":
@@ -198,13 +198,13 @@ def check_options(mcfg, fcfg, cfg, given):
     if shape:
         raise ConfigError(f"--{shape[0]}: the model's shape comes from the checkpoint; fine-tuning may set only "
                           f"{', '.join('--' + k for k in RUNTIME_KEYS)} and --steps")
-    train.check_launch(cfg)
+    return train.check_launch(cfg)
 
 
 def main(argv):
     mcfg, fcfg, cfg, given = parse_config(argv, ModelConfig, FinetuneConfig, train.TrainConfig,
                                           default_file=DEFAULT_CONFIG)
-    check_options(mcfg, fcfg, cfg, given)
+    cfg = check_options(mcfg, fcfg, cfg, given)
     if fcfg.merge:
         print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
         return

@@ -1,31 +1,38 @@
 """
 Turn text into token-id memmaps (nanoGPT's train.bin / val.bin) plus a meta.json.
 
-    python prepare.py                                             # tiny Shakespeare, byte tokens
-    python prepare.py --dataset=openwebtext --tokenizer=gpt2      # nanoGPT's OpenWebText recipe
-    python prepare.py --dataset=wikitext103 --tokenizer=gpt2
+    python prepare.py                                             # tiny Shakespeare (shipped in data/), bytes
+    python prepare.py --dataset=wikitext2_test                    # WikiText-2 test/valid (shipped in data/)
+    python prepare.py --dataset=openwebtext --tokenizer=gpt2      # nanoGPT's OpenWebText recipe (download)
+    python prepare.py --dataset=wikitext103 --tokenizer=gpt2      # download
     python prepare.py --dataset=mytext --input_file=a.txt,b.txt   # any local text, last 10% held out
-    python prepare.py --dataset=wt2 --input_file=../shared/data/wikitext-2/test.txt --val_file=../shared/data/wikitext-2/valid.txt
+    python prepare.py --dataset=mytext --input_file=train.txt --val_file=valid.txt
 
-The data lands in data/<dataset>_<tokenizer>/. Downloadable datasets: shakespeare, wikitext2,
-wikitext103, openwebtext; offline, point the same command at local text with --input_file.
+The data lands in data/<dataset>_<tokenizer>/. Shipped with the repository (data/README.md):
+shakespeare, wikitext2_test. Downloaded from Hugging Face: wikitext2 (raw, full), wikitext103,
+openwebtext; offline, point the same command at local text with --input_file.
 A directory whose meta.json records the same source and tokenizer is reused, not rebuilt.
 Differences from nanoGPT: one script for every dataset, byte tokens as well as tiktoken, and the
 meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
 """
 import dataclasses
-import http.client
 import json
 import os
-import urllib.request
+import socket
+import urllib.parse
 
 import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from configurator import parse_config, run_main
+from configurator import UserError, parse_config, run_main
 
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+SHIPPED = {  # corpora in the repository's data/ folder (data/README.md): name: (training text, validation text)
+    "shakespeare": ("tinyshakespeare/input.txt", ""),  # "": the last 10% is held out
+    "wikitext2_test": ("wikitext-2/test.txt", "wikitext-2/valid.txt"),
+}
 HF_DATASETS = {  # name: (load_dataset arguments, separator that joins the rows of a split)
     "wikitext2": (("Salesforce/wikitext", "wikitext-2-raw-v1"), ""),  # raw lines keep their "\n"
     "wikitext103": (("dlwh/wikitext_103_detokenized",), "\n"),
@@ -33,9 +40,8 @@ HF_DATASETS = {  # name: (load_dataset arguments, separator that joins the rows 
 }
 
 
-class DownloadError(ConnectionError, ValueError):
-    """A failed download. Also a ValueError (as io.UnsupportedOperation is both an OSError and a
-    ValueError), so that run_main prints it as the one line that says how to work offline."""
+class DownloadError(UserError):
+    """A failed download: run_main prints it as the one line that says how to work offline."""
 
 
 def download_error(what, error, offline):
@@ -69,7 +75,7 @@ def get_tokenizer(name):
     if name == "byte":
         return Tokenizer(name)
     if name not in tiktoken.list_encoding_names():
-        raise ValueError(f"unknown tokenizer {name!r}; use 'byte' or a tiktoken encoding: {', '.join(tiktoken.list_encoding_names())}")
+        raise UserError(f"unknown tokenizer {name!r}; use 'byte' or a tiktoken encoding: {', '.join(tiktoken.list_encoding_names())}")
     try:
         return Tokenizer(name, tiktoken.get_encoding(name))
     except OSError as e:  # tiktoken downloads each encoding once, into TIKTOKEN_CACHE_DIR
@@ -89,30 +95,40 @@ def write_tokens(ids, path, vocab_size):
     return len(arr)
 
 
-def download_shakespeare():
-    print(f"downloading {SHAKESPEARE_URL}")
+def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face hub (or HF_ENDPOINT) answers; without a network, `datasets` would
+    spend half a minute on retries before failing."""
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     try:
-        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as f:
-            return f.read().decode("utf-8")
-    except (OSError, http.client.HTTPException) as e:
-        raise download_error("tiny Shakespeare", e, "point the same command at a local copy: --input_file=path/to/input.txt") from e
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def load_hf(dataset, **kwargs):
-    """A Hugging Face dataset (cached after the first download); no network is one line, not a traceback."""
+    """A Hugging Face dataset, downloaded once and cached by `datasets`. Without a network, only the
+    cache is tried (offline mode), and a miss is one line, not a traceback after retries."""
+    if not hub_reachable():
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # read before `datasets` is imported
     from datasets import load_dataset  # slow to import, and only needed here
     try:
         return load_dataset(*HF_DATASETS[dataset][0], **kwargs)
     except Exception as e:
-        raise download_error(f"{dataset} from Hugging Face", e, "point the same command at local text: --input_file=train.txt [--val_file=val.txt]") from e
+        raise download_error(f"{dataset} from Hugging Face", e, "point the same command at local text: "
+                             "--input_file=train.txt [--val_file=val.txt]") from e
 
 
 def read_files(paths):
     """The text of one or more UTF-8 files, joined with newlines and otherwise unchanged."""
     texts = []
     for path in paths:
-        with open(path, encoding="utf-8", newline="") as f:
-            texts.append(f.read())
+        try:
+            with open(path, encoding="utf-8", newline="") as f:
+                texts.append(f.read())
+        except UnicodeDecodeError as e:
+            raise UserError(f"input file {path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                            f"convert it first, e.g. iconv -f latin1 -t utf-8") from e
     return "\n".join(texts)
 
 
@@ -120,7 +136,7 @@ def file_source(paths):
     """Absolute path, size and mtime of each file, so that an edited file is prepared again."""
     for path in paths:
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"input file {path} does not exist")
+            raise UserError(f"input file {path} does not exist")
     return ", ".join(f"{os.path.abspath(p)} ({os.path.getsize(p)} bytes, mtime {os.stat(p).st_mtime_ns})" for p in paths)
 
 
@@ -131,12 +147,10 @@ def split_90_10(text):
 
 
 def load_text(dataset, paths, val_file):
-    """(train text, val text) of local files, tiny Shakespeare or WikiText."""
+    """(train text, val text) of local files, or of a downloaded Hugging Face dataset."""
     if paths:
         text = read_files(paths)
         return (text, read_files([val_file])) if val_file else split_90_10(text)
-    if dataset == "shakespeare":
-        return split_90_10(download_shakespeare())
     splits, sep = load_hf(dataset), HF_DATASETS[dataset][1]
     return sep.join(splits["train"]["text"]), sep.join(splits["validation"]["text"])
 
@@ -180,16 +194,18 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their directory."""
     data_dir = data_dir_of(data_root, dataset, tokenizer)
     paths = [p.strip() for p in input_file.split(",") if p.strip()]
+    if not paths and val_file:
+        raise UserError("--val_file needs --input_file (the training text)")
+    if not paths and dataset in SHIPPED:
+        paths, val_file = [os.path.join(SHIPPED_ROOT, SHIPPED[dataset][0])], SHIPPED[dataset][1]
+        val_file = val_file and os.path.join(SHIPPED_ROOT, val_file)
     if paths:
         source = file_source(paths) + "; val: " + (file_source([val_file]) if val_file else "the last 10%")
-    elif val_file:
-        raise ValueError("--val_file needs --input_file (the training text)")
-    elif dataset == "shakespeare":
-        source = SHAKESPEARE_URL
     elif dataset in HF_DATASETS:
         source = "huggingface: " + " ".join(HF_DATASETS[dataset][0])
     else:
-        raise ValueError(f"unknown dataset {dataset!r}; the downloadable ones are shakespeare, {', '.join(HF_DATASETS)}; any name works with --input_file=a.txt[,b.txt]")
+        raise UserError(f"unknown dataset {dataset!r}; shipped in data/: {', '.join(SHIPPED)}; downloadable: "
+                        f"{', '.join(HF_DATASETS)}; any name works with --input_file=a.txt[,b.txt]")
     meta_path = os.path.join(data_dir, "meta.json")
     if os.path.isfile(meta_path):
         old = load_meta(data_dir)
@@ -212,7 +228,7 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
             print(f"tokenizing {len(data):,} characters of {split} text with {tokenizer}")
             counts[split] = write_tokens(tok.encode(data), path, tok.vocab_size)
         if counts[split] == 0:
-            raise ValueError(f"the {split} split of {dataset} is empty; give it more text")
+            raise UserError(f"the {split} split of {dataset} is empty; give it more text")
 
     meta = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
             "dtype": np.dtype(token_dtype(tok.vocab_size)).name,
@@ -226,7 +242,7 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist; prepare the data first, e.g. python prepare.py --dataset=shakespeare")
+        raise UserError(f"{path} does not exist; prepare the data first, e.g. python prepare.py --dataset=shakespeare")
     with open(path) as f:
         return json.load(f)
 

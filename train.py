@@ -399,13 +399,19 @@ def sync(model, last, cfg, env):
 # -- the script ---------------------------------------------------------------------------------------
 
 def check_launch(cfg):
-    """What the config alone decides, checked before any data, model or process group is touched."""
+    """What the config alone decides, checked before any data, model or process group is touched.
+    Returns the config, with gradient_accumulation_steps rounded up to a multiple of the processes."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if cfg.gradient_accumulation_steps % world:
-        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} does not divide among "
-                          f"{world} processes; use a multiple of {world}")
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb needs the wandb package: pip install wandb")
+    accum = cfg.gradient_accumulation_steps
+    if accum % world:
+        rounded = accum + (-accum) % world
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"gradient_accumulation_steps={accum} rounded up to {rounded}, a multiple of the {world} processes "
+                  f"(micro-steps per iteration over all processes together)")
+        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=rounded)
+    return cfg
 
 
 def prepare_data(cfg, env):
@@ -468,7 +474,7 @@ def main(argv):
         checkpoints.convert_sharded(cfg.convert, dst)
         print(f"wrote {dst}")
         return
-    check_launch(cfg)
+    cfg = check_launch(cfg)
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None
     try:

@@ -23,20 +23,16 @@ def from_config_file(path, **overrides):
 
 
 def corpus(*parts):
-    path = os.path.join(SHARED, "data", *parts)
+    """A real corpus: the copy shipped in data/ (../shared/data holds the same files)."""
+    path = os.path.join(ROOT, "data", *parts)
     if not os.path.isfile(path):
-        pytest.skip(f"needs the corpus {path} (../shared/data beside the repository)")
+        pytest.skip(f"needs the corpus {path} (shipped with the repository in data/)")
     return path
 
 
 @pytest.fixture
 def shakespeare():
     return corpus("tinyshakespeare", "input.txt")
-
-
-@pytest.fixture
-def wikitext2():
-    return corpus("wikitext-2", "test.txt"), corpus("wikitext-2", "valid.txt")
 
 
 @pytest.fixture(autouse=True)

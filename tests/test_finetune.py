@@ -112,16 +112,15 @@ def test_missing_and_wrong_kind_checkpoints_fail_with_one_line(tmp_path):
     assert f"holds a {checkpoints.ADAPTERS} checkpoint" in done.stderr
 
 
-def test_steps_9_lora_end_to_end(tmp_path, shakespeare, wikitext2):
+def test_steps_9_lora_end_to_end(tmp_path, shakespeare):
     """Pretrain a tiny 6-step ODE on Shakespeare, fine-tune it as 9 layers with LoRA on WikiText-2,
     then merge the adapters into an ordinary checkpoint that loads like any other."""
     data = f"--data_root={tmp_path / 'data'}"
     train.main(["--n_layer=6", "--n_embd=64", "--n_head=2", "--block_size=64", "--d_t=8", "--time_freqs=8",
                 "--max_iters=60", "--eval_interval=60", "--eval_iters=4", f"--input_file={shakespeare}", data,
                 f"--out_dir={tmp_path / 'pre'}"])
-    wt_train, wt_val = wikitext2
     finetune.main(["--steps", "9", "--lora", f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", data,
-                   f"--input_file={wt_train}", f"--val_file={wt_val}", "--max_iters=40", "--eval_interval=40",
+                   "--max_iters=40", "--eval_interval=40",
                    "--eval_iters=4", f"--out_dir={tmp_path / 'ft'}"])
     results = json.load(open(tmp_path / "ft" / "results.json"))
     assert results["steps"] == 9 and results["lora"]
@@ -138,7 +137,7 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare, wikitext2):
     # the merged model is the fine-tuned one: its validation loss is the run's final one
     env = runtime.Env(torch.device("cpu"), torch.float32)
     cfg = train.TrainConfig(eval_iters=4, batch_size=16)  # as the run (config/finetune_wikitext2.py)
-    tokens_val = prepare.load_tokens(str(tmp_path / "data" / "wikitext2_byte"), "val")
+    tokens_val = prepare.load_tokens(str(tmp_path / "data" / "wikitext2_test_byte"), "val")
     val = runtime.Batches(tokens_val, model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
     loss = train.evaluate(model, {"val": val}, cfg, env)["val"]
     assert loss == pytest.approx(results["after"]["val_loss"], abs=1e-4)

@@ -1,15 +1,17 @@
 """prepare.py without the network: round trips, the uint16/uint32 switch, reuse, one-line errors."""
 import json
 import os
+import socket
 import sys
-import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 
-from configurator import run_main
+from configurator import UserError, run_main
 from prepare import DownloadError, get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens
+
+from conftest import ROOT, SHARED
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé → ✓\n" * 20
 
@@ -77,34 +79,57 @@ def test_same_source_is_reused_and_a_changed_file_is_prepared_again(tmp_path, ca
 
 
 def test_missing_files_are_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="input file .*nope.txt does not exist"):
+    with pytest.raises(UserError, match="input file .*nope.txt does not exist"):
         prepare("mytext", "byte", input_file=str(tmp_path / "nope.txt"), data_root=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="meta.json does not exist; prepare the data first"):
+    with pytest.raises(UserError, match="meta.json does not exist; prepare the data first"):
         load_meta(str(tmp_path))
 
 
 def test_unknown_tokenizer_and_dataset_name_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="unknown tokenizer 'bpe'; use 'byte' or a tiktoken encoding: .*gpt2"):
+    with pytest.raises(UserError, match="unknown tokenizer 'bpe'; use 'byte' or a tiktoken encoding: .*gpt2"):
         get_tokenizer("bpe")
-    with pytest.raises(ValueError, match="unknown dataset 'books'.*openwebtext; any name works with --input_file"):
+    with pytest.raises(UserError, match="unknown dataset 'books'; shipped in data/: shakespeare, wikitext2_test; "
+                                        "downloadable: .*openwebtext; any name works with --input_file"):
         prepare("books", "byte", data_root=str(tmp_path))
 
 
-def test_shakespeare_offline_is_one_line_that_names_input_file(tmp_path, monkeypatch, capsys):
-    def offline(*args, **kwargs):
-        raise urllib.error.URLError("Name or service not known")
+def no_network(monkeypatch):
+    def refused(*args, **kwargs):
+        raise OSError("Network is unreachable")
+    monkeypatch.setattr(socket, "create_connection", refused)
+    monkeypatch.setattr(urllib.request, "urlopen", refused)
 
-    local = prepare("shakespeare", "byte", input_file=write(tmp_path / "input.txt", TEXT), data_root=str(tmp_path))
-    monkeypatch.setattr(urllib.request, "urlopen", offline)
-    with pytest.raises(ConnectionError, match="could not download tiny Shakespeare"):
-        prepare("shakespeare", "byte", data_root=str(tmp_path))
-    assert load_meta(local)["train_tokens"] > 0  # a failed download leaves the earlier data usable
-    monkeypatch.setattr(sys, "argv", ["prepare.py", f"--data_root={tmp_path}"])
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(main)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--input_file=path/to/input.txt" in err
+
+@pytest.mark.parametrize("dataset,train_file,val_file", [
+    ("shakespeare", "tinyshakespeare/input.txt", None),
+    ("wikitext2_test", "wikitext-2/test.txt", "wikitext-2/valid.txt"),
+])
+def test_shipped_corpora_prepare_without_network(tmp_path, monkeypatch, dataset, train_file, val_file):
+    """The defaults of train.py and finetune.py use corpora shipped in data/: no download at all."""
+    no_network(monkeypatch)
+    data_dir = prepare(dataset, "byte", data_root=str(tmp_path))
+    text = open(os.path.join(ROOT, "data", train_file), "rb").read()
+    if val_file is None:
+        cut = int(len(text.decode()) * 0.9)
+        text, val = text.decode()[:cut].encode(), text.decode()[cut:].encode()
+    else:
+        val = open(os.path.join(ROOT, "data", val_file), "rb").read()
+    assert bytes(load_tokens(data_dir, "train").tolist()) == text and bytes(load_tokens(data_dir, "val").tolist()) == val
+
+
+def test_shipped_corpora_are_the_shared_ones():
+    for name in ("tinyshakespeare/input.txt", "wikitext-2/test.txt", "wikitext-2/valid.txt"):
+        shared = os.path.join(SHARED, "data", name)
+        if not os.path.isfile(shared):
+            pytest.skip(f"needs {shared}")
+        assert open(os.path.join(ROOT, "data", name), "rb").read() == open(shared, "rb").read(), name
+
+
+def test_non_utf8_input_names_the_file(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(UserError, match=f"input file {path} is not UTF-8 text \\(byte 3 is b'\\\\xe9'\\)"):
+        prepare("mytext", "byte", input_file=str(path), data_root=str(tmp_path))
 
 
 def fake_hub(monkeypatch, splits):
@@ -142,17 +167,25 @@ def test_openwebtext_recipe_appends_end_of_text_to_each_document(tmp_path, monke
     assert sorted(tok.decode(train).split("<|endoftext|>")[:-1] + [tok.decode(val[:-1])]) == sorted(docs)
 
 
-def test_hugging_face_offline_is_one_line_that_names_input_file(tmp_path, monkeypatch):
+def test_hugging_face_offline_is_one_line_that_names_input_file(tmp_path, monkeypatch, capsys):
+    """Without a network, `datasets` is asked for its cache only (offline mode, no retries), and a
+    miss is one line that says how to use local text."""
     datasets = pytest.importorskip("datasets")
+    modes = []
 
     def offline(*args, **kwargs):
+        modes.append(os.environ.get("HF_HUB_OFFLINE"))
         raise ConnectionError("Couldn't reach 'dlwh/wikitext_103_detokenized' on the Hub\n(a second line)")
 
+    no_network(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored after the test
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(ValueError) as error:
-        prepare("wikitext103", "byte", data_root=str(tmp_path))
-    message = str(error.value)
-    assert "\n" not in message and "wikitext103" in message and "--input_file=train.txt [--val_file=val.txt]" in message
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "--dataset=wikitext103", f"--data_root={tmp_path}"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and modes == ["1"]
+    assert err.count("\n") == 1 and "wikitext103" in err and "--input_file=train.txt [--val_file=val.txt]" in err
 
 
 def test_cli(tmp_path, capsys):
