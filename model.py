@@ -176,6 +176,19 @@ def block_shapes(cfg):
 RESIDUAL_PROJECTIONS = ("proj", "fc2", "down")  # the layers that write into the residual stream
 
 
+def hyper_shapes(cfg):
+    """The weights the hypernetwork generates: the block's, except that the Llama flavour generates the
+    query, key and value projections with a time MLP z(t) each, as the authors' ODE Llama does (their
+    GPT, and ours, generate the fused c_attn under one z); HyperNetwork concatenates them into the
+    block's fused (3C, C) `attn` weight, so that attention stays one matmul."""
+    shapes = block_shapes(cfg)
+    if cfg.flavor == "llama":
+        C = cfg.n_embd
+        shapes = {"q": (C, C, False), "k": (C, C, False), "v": (C, C, False),
+                  **{name: shape for name, shape in shapes.items() if name != "attn"}}
+    return shapes
+
+
 def stage_times(steps, solver, device=None, dtype=torch.float32):
     """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps (SPEC 2)."""
     c = torch.tensor(SOLVERS[solver], device=device, dtype=dtype)
@@ -250,13 +263,14 @@ class TimeDependentNorm(nn.Module):
 
 class HyperNetwork(nn.Module):
     """All block weights of the vector field as functions of t: forward(ts) -> {name: (W, b)}, each
-    stacked over the times, (T, ...). Only e(t) is shared; every weight has its own time MLP."""
+    stacked over the times, (T, ...), with the block's names. Only e(t) is shared; every weight has
+    its own time MLP (SPEC 3; the Llama flavour's q, k, v one each: see hyper_shapes)."""
 
     def __init__(self, cfg):
         super().__init__()
         self.time_embedding = TimeEmbedding(cfg.time_freqs)
         self.ln_1, self.ln_2 = TimeDependentNorm(cfg), TimeDependentNorm(cfg)
-        for name, (d_in, d_out, bias) in block_shapes(cfg).items():
+        for name, (d_in, d_out, bias) in hyper_shapes(cfg).items():
             self.add_module(name, TimeDependentLinear(cfg, d_in, d_out, bias))
 
     def forward(self, ts):
@@ -268,6 +282,8 @@ class HyperNetwork(nn.Module):
                 out[name] = (W.unflatten(1, m.shape), b)  # (T, out, in)
             elif isinstance(m, TimeDependentNorm):
                 out[name] = m(e)
+        if "q" in out:  # Llama: W_attn(t) = [W_q(t); W_k(t); W_v(t)], (T, 3C, C)
+            out["attn"] = (torch.cat([out.pop(name)[0] for name in ("q", "k", "v")], dim=1), None)
         return out
 
 

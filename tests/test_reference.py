@@ -68,6 +68,48 @@ def gpt_ode_logits(P, idx, cfg, steps):
     return layer_norm(x, P["ln_f.weight"], P["ln_f.bias"]) @ P["wte.weight"].T
 
 
+def rms_norm(x, g):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+
+def rotary(x, base=10000.0):
+    """Rotate-half RoPE on (T, hs): dimension i pairs with i + hs/2, turned by the angle pos * base^(-2i/hs)."""
+    T, hs = x.shape
+    angle = np.arange(T)[:, None] * base ** (-2 * np.arange(hs // 2) / hs)  # (T, hs/2)
+    a, b = x[:, :hs // 2], x[:, hs // 2:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], axis=-1)
+
+
+def llama_ode_logits(P, idx, cfg, steps):
+    """SPEC 1-3, Llama flavour: RMSNorm with gain 1 + G z(t), q, k, v each from its own time MLP, RoPE,
+    SwiGLU down(silu(gate x) * up x), no biases, untied head; forward Euler with t_k = (k + 1) / N."""
+    T, C, nh = len(idx), cfg.n_embd, cfg.n_head
+    hs = C // nh
+    x = P["wte.weight"][idx]
+    mask = np.triu(np.ones((T, T), dtype=bool), 1)
+    for k in range(steps):
+        e = time_features((k + 1) / steps, cfg.time_freqs)
+
+        def W(name, d_in):
+            return (P[f"hyper.{name}.A_W"] @ z_of(P, name, e) + P[f"hyper.{name}.B_W"]).reshape(-1, d_in)
+
+        def rms(name, y):
+            return rms_norm(y, 1 + P[f"hyper.{name}.G"] @ z_of(P, name, e))
+
+        h = rms("ln_1", x)
+        q, kk, v = (h @ W(name, C).T for name in ("q", "k", "v"))
+        heads = []
+        for j in range(nh):
+            sl = slice(j * hs, (j + 1) * hs)
+            scores = np.where(mask, -1e9, rotary(q[:, sl]) @ rotary(kk[:, sl]).T / np.sqrt(hs))
+            heads.append(softmax(scores) @ v[:, sl])
+        attn = np.concatenate(heads, axis=-1) @ W("proj", C).T
+        h = rms("ln_2", x)
+        ffn = (silu(h @ W("gate", C).T) * (h @ W("up", C).T)) @ W("down", cfg.ffn_dim).T
+        x = x + (attn + ffn) / steps
+    return rms_norm(x, P["ln_f.weight"]) @ P["lm_head.weight"].T
+
+
 def float64_model(**overrides):
     torch.manual_seed(0)
     model = DiffEqFormer(ModelConfig(**{**TINY, **overrides})).double()
@@ -77,13 +119,14 @@ def float64_model(**overrides):
     return model.eval()
 
 
-def test_float64_ode_and_its_materialised_model_equal_numpy_to_1e_12():
-    """At steps = 3 (1/3 is not exact in binary), the time grid, e(t) and the generated weights must
-    be float64 too, and materialize() must keep the dtype, for 1e-12 to hold."""
-    model = float64_model()
+@pytest.mark.parametrize("flavor,reference", [("gpt", gpt_ode_logits), ("llama", llama_ode_logits)])
+def test_float64_ode_and_its_materialised_model_equal_numpy_to_1e_12(flavor, reference):
+    """At steps = 3 (1/3 is not exact in binary), the time grid, e(t), the generated weights and RoPE's
+    tables must be float64 too, and materialize() must keep the dtype, for 1e-12 to hold."""
+    model = float64_model(flavor=flavor)
     idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     P = {k: v.numpy() for k, v in model.state_dict().items()}
-    expected = gpt_ode_logits(P, idx[0].numpy(), model.cfg, steps=3)
+    expected = reference(P, idx[0].numpy(), model.cfg, steps=3)
     with torch.no_grad():
         logits, _ = model(idx, steps=3)
         layers = model.materialize(3)
@@ -114,3 +157,21 @@ def test_ode_position_embeddings_start_at_std_001(init, model_type):
     gpt = DiffEqFormer(ModelConfig(**cfg, model_type="baseline"))
     assert ode.wpe.weight.std().item() == pytest.approx(0.01, rel=0.02)
     assert gpt.wpe.weight.std().item() == pytest.approx(0.02, rel=0.02)
+
+
+@pytest.mark.parametrize("changed", ["q", "k", "v"])
+def test_llama_generates_q_k_v_with_a_time_mlp_each(changed):
+    """SPEC 3 (the authors' ODE Llama): changing the query's time MLP changes W_q(t) only, and so on;
+    the three still come out as the block's one fused (3C, C) attention weight."""
+    model = float64_model(flavor="llama")
+    ts = torch.tensor([0.25, 0.6], dtype=torch.float64)
+    with torch.no_grad():
+        before = model.hyper(ts)["attn"][0]
+        getattr(model.hyper, changed).time_mlp.L2.bias.add_(0.5)
+        after = model.hyper(ts)["attn"][0]
+    C = model.cfg.n_embd
+    assert before.shape == (2, 3 * C, C)
+    for j, name in enumerate("qkv"):
+        rows = slice(j * C, (j + 1) * C)
+        moved = (after[:, rows] - before[:, rows]).abs().max().item()
+        assert moved > 1e-3 if name == changed else moved == 0.0, name
