@@ -27,6 +27,7 @@ forward pass's times (k+1)/N (theirs at k/N), the spectra come through the time 
 the eigenvalues stay complex (theirs drop the imaginary parts).
 """
 import html
+import io
 import os
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 from tqdm import tqdm  # noqa: E402
 
 import checkpoints  # noqa: E402
@@ -68,7 +70,7 @@ class AnalyzeConfig:
         if self.all:
             self.spectral = self.cluster = self.lyapunov = True
         if self.steps < 0 or self.times < 2 or self.top < 1:
-            raise ValueError(f"need --steps >= 0, --times >= 2 and --top >= 1 (got {self.steps}, {self.times}, {self.top})")
+            raise ValueError(f"need --steps >= 0, --times >= 2 and --top >= 1, got {self.steps}, {self.times}, {self.top}")
 
 
 @dataclass
@@ -100,7 +102,7 @@ def load_model(path):
     with torch.device("meta"):
         model = DiffEqFormer(mcfg)
     model = model.to_empty(device="cpu").double()
-    missing, unexpected = model.load_state_dict(checkpoints.clean_state_dict(ckpt.get("model", {})), strict=False)
+    missing, unexpected = model.load_state_dict(checkpoints.clean_state_dict(ckpt.get("model") or {}), strict=False)
     if missing or unexpected:
         raise UserError(f"{path} does not hold the weights of its {mcfg.model_type} model: there are no attention heads "
                         f"or layers to analyse (missing {', '.join(missing[:3]) or 'nothing'}; unexpected "
@@ -148,6 +150,14 @@ def head_weights(W, n_head):
     return W.unflatten(-2, (3, n_head, W.size(-1) // n_head)).unbind(-4)
 
 
+def save_figure(fig, path):
+    """A small PNG: rendered at DPI, then reduced to a 256-colour palette (a third of the bytes for line plots)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=DPI)
+    plt.close(fig)
+    Image.open(buffer).convert("RGB").quantize(256).save(path, optimize=True)
+
+
 # -- spectral dynamics (SPEC 6, Fig. 2a/2b, App. E) ----------------------------------------------------
 
 def spectra(w, cfg):
@@ -160,8 +170,9 @@ def spectra(w, cfg):
     q, k, v = head_weights(w["attn"][0], cfg.n_head)  # (T, H, d_h, D) each
     Wo = w["proj"][0].unflatten(-1, (cfg.n_head, -1)).movedim(-2, -3)  # (T, H, D, d_h): columns of head h
     first, last = ("up", "down") if cfg.flavor == "llama" else ("fc", "fc2")
-    mats = (k @ q.mT, v @ Wo, w[last][0] @ w[first][0])  # (T, H, d_h, d_h) twice: similar to Wk_h^T Wq_h, Wo_h Wv_h
-    eig = [torch.linalg.eigvals(m) for m in mats]  # the transposes of QK^T-type products have the same eigenvalues
+    # Wk_h^T Wq_h, (Wo_h Wv_h)^T (T, H, d_h, d_h) and (W1 W2)^T (T, D, D): a transpose has the same eigenvalues
+    mats = (k @ q.mT, v @ Wo, w[last][0] @ w[first][0])
+    eig = [torch.linalg.eigvals(m) for m in mats]
     return [e.gather(-1, e.abs().argsort(dim=-1, descending=True)) for e in eig]
 
 
@@ -174,23 +185,23 @@ def spectral(model, steps, times, out):
         ts = torch.linspace(0, 1, times, dtype=torch.float64)
         chunks = [spectra(weights_at(model, chunk), cfg) for chunk in tqdm(ts.split(16), desc="spectra", leave=False)]
         curves = [torch.cat(parts).numpy() for parts in zip(*chunks)]
-        t_grid = np.arange(1, steps + 1) / steps
-        arrays = dict(t=ts.numpy(), t_grid=t_grid, **dict(zip(names, curves)),
+        grid_x = np.arange(1, steps + 1) / steps
+        arrays = dict(t=ts.numpy(), t_grid=grid_x, **dict(zip(names, curves)),
                       **{f"{n}_grid": g for n, g in zip(names, grid)})
         x, xlabel = ts.numpy(), "t"
     else:
-        t_grid, curves = np.arange(1, steps + 1), grid
-        arrays = dict(layer=t_grid, **dict(zip(names, grid)))
-        x, xlabel = t_grid, "layer"
+        grid_x, curves = np.arange(1, steps + 1), grid
+        arrays = dict(layer=grid_x, **dict(zip(names, grid)))
+        x, xlabel = grid_x, "layer"
     os.makedirs(out, exist_ok=True)
     np.savez(os.path.join(out, "spectral.npz"), **arrays)
     titles = {"qk": "QK_h = Wq_h Wk_h^T", "ov": "OV_h = Wv_h Wo_h", "ffn": "FFN product W1 W2"}
-    paths = [plot_spectrum(x, curve, t_grid if cfg.is_ode else None, g, xlabel, f"{titles[n]} ({cfg.model_type}, "
+    paths = [plot_spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel, f"{titles[n]} ({cfg.model_type}, "
                            f"{cfg.flavor}, N = {steps})", os.path.join(out, f"spectral_{n}.png"))
              for n, curve, g in zip(names, curves, grid)]
     print(f"spectral radius (largest |eigenvalue|, over heads) at the {xlabel}s the forward pass uses:")
     print(f"{xlabel:>8}  {'QK':>9}  {'OV':>9}  {'FFN':>9}")
-    for i, point in enumerate(t_grid):
+    for i, point in enumerate(grid_x):
         print(f"{point:8.3g}  " + "  ".join(f"{np.abs(g[i]).max():9.4g}" for g in grid))
     for n, curve in zip(names, curves):
         radius = np.abs(curve).reshape(len(x), -1).max(axis=1)
@@ -222,8 +233,7 @@ def plot_spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
     fig.suptitle(title + ("; dots and grey lines: the forward pass's t_k = (k+1)/N" if grid_x is not None else ""),
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -284,7 +294,7 @@ def cluster(ccfg, out):
 
 
 def plot_clusters(paths, t, clusters, ccfg, path):
-    fig = plt.figure(figsize=(13, 8))
+    fig = plt.figure(figsize=(12, 7.5))
     colors = plt.get_cmap("tab10")
     for i, (name, xs) in enumerate(zip(SCHEDULES, paths)):
         ax = fig.add_subplot(2, 3, i + 1, projection="3d")
@@ -293,7 +303,7 @@ def plot_clusters(paths, t, clusters, ccfg, path):
         ax.scatter(*xs[0, :, :3].T, facecolors="none", edgecolors="0.4", s=12, label="start")
         ax.scatter(*xs[-1, :, :3].T, color=colors(i), edgecolors="black", s=22, label="end")
         ax.set_title(f"{name}: {clusters[i, -1]} clusters at t = 1", fontsize=10)
-        ax.tick_params(labelsize=6)
+        ax.set(xticklabels=[], yticklabels=[], zticklabels=[])
         if i == 0:
             ax.legend(fontsize=8, loc="upper left")
     ax = fig.add_subplot(2, 3, 6)
@@ -304,8 +314,7 @@ def plot_clusters(paths, t, clusters, ccfg, path):
     fig.suptitle(f"attention-only particles, weights f(t) (Q0, K0, V0), {ccfg.sim_steps} Euler steps, "
                  f"{'projected onto the sphere' if ccfg.sphere else 'no projection'} (App. C.8)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -336,7 +345,8 @@ def jacobians(F_k, x, out):
     T, D = x.shape
     cotangents = torch.zeros(D, T, D, dtype=x.dtype)
     cotangents[:, out] = torch.eye(D, dtype=x.dtype)
-    with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls and softmax, which vmap batches (the fused kernel's backward it does not)
+    with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls and softmax, which vmap batches (the fused CPU
+        # kernel's backward it cannot: it would fall back to a loop over the D cotangents, 4x slower)
         y, vjp = torch.func.vjp(F_k, x)
         (J,) = torch.func.vmap(vjp)(cotangents)  # (D, T, D): J[i, in, j] = dF[out]_i / dx[in]_j
     return y, J.transpose(0, 1)
@@ -475,8 +485,7 @@ def plot_shaded_text(tokens, rows, title, path, width=80):
         cax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
         cax.tick_params(labelsize=7)
     fig.text(pad / fig_w, 1 - 0.25 / fig_h, title, va="center", fontsize=9)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

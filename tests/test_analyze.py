@@ -107,7 +107,8 @@ def test_spectral_matrices_are_what_the_forward_pass_multiplies_by():
                 P[:, h * d:(h + 1) * d] = P[:, h * d:(h + 1) * d] @ torch.linalg.inv(B).T  # Wo_h -> B^-1 Wo_h
         assert (model(idx)[0] - logits).abs().max() < 1e-10
         for before, after in zip((qk, ov, ffn), analysed()):
-            assert all(same_eigenvalues(a.numpy(), b_.numpy(), 1e-8) for a, b_ in zip(after.flatten(0, -2), before.flatten(0, -2)))
+            pairs = zip(after.flatten(0, -2).numpy(), before.flatten(0, -2).numpy())
+            assert all(same_eigenvalues(a, b_, 1e-8) for a, b_ in pairs)
 
         model.layers[1].attn.weight[d:2 * d] *= 2  # Wq of head 1 in layer 1
         assert (model(idx)[0] - logits).abs().max() > 1e-4
