@@ -387,6 +387,7 @@ def last_position_attention(x, w, cfg, rope):
 
 
 def read_prompt(acfg, tok, block_size):
+    """The token ids of --prompt or --prompt_file; an empty prompt or one longer than the context is an error."""
     text = acfg.prompt
     if acfg.prompt_file:
         if not os.path.isfile(acfg.prompt_file):
@@ -401,10 +402,9 @@ def read_prompt(acfg, tok, block_size):
     return ids
 
 
-def lyapunov(model, tok, acfg, steps, out):
+def lyapunov(model, tok, ids, steps, top, out):
     """--lyapunov: exponents of every input token for the last position; shaded text, attention, arrays."""
     cfg = model.cfg
-    ids = read_prompt(acfg, tok, cfg.block_size)
     idx = torch.tensor(ids)
     fields, h, W, rope = step_fields(model, steps, len(ids))
     exponents, xs = lyapunov_exponents(fields, h, embed(model, idx), len(ids) - 1, progress=True)
@@ -422,8 +422,8 @@ def lyapunov(model, tok, acfg, steps, out):
             ("attention of the last position, mean over heads and steps", mean_attention, "Purples")]
     png = plot_shaded_text(tokens, rows, title, os.path.join(out, "lyapunov.png"))
     page = write_html(tokens, rows, title, os.path.join(out, "lyapunov.html"))
-    print(f"the {min(acfg.top, len(ids))} input tokens that most steer the prediction after {tokens[-1]!r}:")
-    for i in np.argsort(-scores)[:acfg.top]:
+    print(f"the {min(top, len(ids))} input tokens that most steer the prediction after {tokens[-1]!r}:")
+    for i in np.argsort(-scores)[:top]:
         print(f"  position {i:4d}  {tokens[i]!r:>14}  score {scores[i]:8.4f}  attention {mean_attention[i]:.4f}")
     print(f"wrote {png}, {page} and {os.path.join(out, 'lyapunov.npz')}")
 
@@ -523,26 +523,28 @@ def main(argv):
     acfg, ccfg, given = parse_config(argv, AnalyzeConfig, ClusterConfig)
     if not (acfg.spectral or acfg.cluster or acfg.lyapunov):
         raise UserError("choose what to analyse: --spectral, --cluster, --lyapunov or --all")
-    if acfg.cluster:
-        cluster(ccfg, acfg.out)
-    if not (acfg.spectral or acfg.lyapunov):
-        return
-    model, tokenizer = load_model(acfg.init_from)
-    mcfg, steps = model.cfg, resolve_steps(model, acfg.steps, acfg.init_from)
-    if acfg.spectral and "times" in given and not mcfg.is_ode:
-        raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, whose weights exist only at its layers: "
-                        f"--times applies only to an ODE checkpoint; leave it out")
-    print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), {steps} "
-          f"{'Euler steps' if mcfg.is_ode else 'layers'}, width {mcfg.n_embd}, {mcfg.n_head} heads")
-    with torch.no_grad():  # torch.func differentiates inside it all the same
-        if acfg.spectral:
-            spectral(model, steps, acfg.times, acfg.out)
+    if acfg.spectral or acfg.lyapunov:  # every check before any work
+        model, tokenizer = load_model(acfg.init_from)
+        mcfg, steps = model.cfg, resolve_steps(model, acfg.steps, acfg.init_from)
+        if acfg.spectral and "times" in given and not mcfg.is_ode:
+            raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, whose weights exist only at its "
+                            f"layers: --times applies only to an ODE checkpoint; leave it out")
         if acfg.lyapunov:
             try:
                 tok = prepare.get_tokenizer(tokenizer)
             except ValueError as e:
                 raise UserError(str(e)) from e
-            lyapunov(model, tok, acfg, steps, acfg.out)
+            ids = read_prompt(acfg, tok, mcfg.block_size)
+    if acfg.cluster:
+        cluster(ccfg, acfg.out)
+    if acfg.spectral or acfg.lyapunov:
+        print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), {steps} "
+              f"{'Euler steps' if mcfg.is_ode else 'layers'}, width {mcfg.n_embd}, {mcfg.n_head} heads")
+        with torch.no_grad():  # torch.func differentiates inside it all the same
+            if acfg.spectral:
+                spectral(model, steps, acfg.times, acfg.out)
+            if acfg.lyapunov:
+                lyapunov(model, tok, ids, steps, acfg.top, acfg.out)
 
 
 if __name__ == "__main__":

@@ -314,7 +314,7 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path):
         "no attention": ["--spectral", "--init_from=" + write(tmp_path / "x.pt", {
             "kind": checkpoints.MODEL, "model_config": gpt.cfg.to_dict(),
             "model": {k: v for k, v in gpt.state_dict().items() if ".attn." not in k}})],
-        "empty prompt": ["--lyapunov", f"--init_from={tiny_checkpoint}", "--prompt="],
+        "empty prompt": ["--all", f"--init_from={tiny_checkpoint}", "--prompt="],
         "long prompt": ["--lyapunov", f"--init_from={tiny_checkpoint}", "--prompt=" + "x" * 49],
         "gpt --steps": ["--lyapunov", "--init_from=" + save_checkpoint(tmp_path / "g.pt", gpt), "--steps=6"],
         "gpt --times": ["--spectral", "--init_from=" + save_checkpoint(tmp_path / "g.pt", gpt), "--times=50"],
@@ -322,6 +322,7 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path):
     }[case]
     with pytest.raises(UserError, match=match):
         analyze.main(argv + [out])
+    assert not (tmp_path / "out").exists()  # every check comes before any work (--all does not simulate first)
 
 
 def test_the_script_prints_one_error_line(tmp_path, monkeypatch, capsys):
