@@ -11,9 +11,10 @@ Three modes, each writing figures and the raw arrays into --out:
 
 * `--spectral` (Fig. 2a/2b, App. E): eigenvalues of QK_h(t) = Wq_h Wk_h^T and OV_h(t) = Wv_h Wo_h for every
   head, and of the FFN product W1 W2, in the "x W" convention of SPEC 6. For an ODE checkpoint they are taken
-  at --times points of [0, 1] from the hypernetwork (the weights are continuous in t, so are the curves) and
-  at the forward pass's own grid t_k = (k+1)/N, which the figures mark; for a GPT, Llama or materialised
-  checkpoint, layer by layer.
+  at --times points of [0, 1] from the hypernetwork and at the forward pass's own grid t_k = (k+1)/N, which
+  the figures mark (the weights are continuous in t, but the time embedding's scale of 1000 lets them vary
+  within 0.01 of t, and training with N steps only ever sets them on the grid); for a GPT, Llama or
+  materialised checkpoint, layer by layer.
 * `--cluster` (Fig. 2c/2d, App. C.8): the attention-only particle system with weights f(t) * (Q0, K0, V0) for
   f = 1 (weight sharing), t, t^2, t^3, t^4; 3-D trajectories and the number of clusters over t.
 * `--lyapunov` (Eq. 7, Fig. 3, App. B, F): for each input token, the largest finite-time Lyapunov exponent
@@ -32,20 +33,20 @@ import os
 from dataclasses import dataclass
 
 import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image  # matplotlib's own dependency
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from PIL import Image  # noqa: E402  (matplotlib's own dependency)
-from tqdm import tqdm  # noqa: E402
+import checkpoints
+import prepare
+from configurator import UserError, parse_config, run_main
+from model import DiffEqFormer, ModelConfig, apply_rope, norm, rope_tables, sequential_block, vector_field
 
-import checkpoints  # noqa: E402
-import prepare  # noqa: E402
-from configurator import UserError, parse_config, run_main  # noqa: E402
-from model import DiffEqFormer, ModelConfig, apply_rope, norm, rope_tables, sequential_block, vector_field  # noqa: E402
+matplotlib.use("Agg")  # figures go to files only
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the"
 SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}  # f(t) = t^p; p = 0 is 1
@@ -199,7 +200,8 @@ def spectral(model, steps, times, out):
     paths = [plot_spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel, f"{titles[n]} ({cfg.model_type}, "
                            f"{cfg.flavor}, N = {steps})", os.path.join(out, f"spectral_{n}.png"))
              for n, curve, g in zip(names, curves, grid)]
-    print(f"spectral radius (largest |eigenvalue|, over heads) at the {xlabel}s the forward pass uses:")
+    print("spectral radius (largest |eigenvalue|, over heads) " +
+          ("at the forward pass's times t_k = (k+1)/N:" if cfg.is_ode else "layer by layer:"))
     print(f"{xlabel:>8}  {'QK':>9}  {'OV':>9}  {'FFN':>9}")
     for i, point in enumerate(grid_x):
         print(f"{point:8.3g}  " + "  ".join(f"{np.abs(g[i]).max():9.4g}" for g in grid))
