@@ -1,0 +1,553 @@
+"""
+Look inside a trained DiffEqFormer: the paper's analysis section (SPEC 6; Tong et al., Section 5, App. B, C.8, E, F).
+
+    python analyze.py --lyapunov                       # which input tokens steer the next-token prediction
+    python analyze.py --lyapunov --prompt "ROMEO:" --steps 12
+    python analyze.py --spectral --times 200           # eigenvalues of QK, OV and the FFN product over t
+    python analyze.py --cluster                        # the particle simulation; needs no checkpoint
+    python analyze.py --all --init_from=out/ckpt.pt --out=out-analyze
+
+Three modes, each writing figures and the raw arrays into --out:
+
+* `--spectral` (Fig. 2a/2b, App. E): eigenvalues of QK_h(t) = Wq_h Wk_h^T and OV_h(t) = Wv_h Wo_h for every
+  head, and of the FFN product W1 W2, in the "x W" convention of SPEC 6. For an ODE checkpoint they are taken
+  at --times points of [0, 1] from the hypernetwork and at the forward pass's own grid t_k = (k+1)/N, which
+  the figures mark (the weights are continuous in t, but the time embedding's scale of 1000 lets them vary
+  within 0.01 of t, and training with N steps only ever sets them on the grid); for a GPT, Llama or
+  materialised checkpoint, layer by layer.
+* `--cluster` (Fig. 2c/2d, App. C.8): the attention-only particle system with weights f(t) * (Q0, K0, V0) for
+  f = 1 (weight sharing), t, t^2, t^3, t^4; 3-D trajectories and the number of clusters over t.
+* `--lyapunov` (Eq. 7, Fig. 3, App. B, F): for each input token, the largest finite-time Lyapunov exponent
+  of the tangent dynamics that link it to the last position, along the forward pass's own trajectory;
+  the prompt shaded by it (HTML and PNG) beside the plain attention weights of the last position.
+
+Everything is computed in float64 on the CPU from the model's own weight generation (`step_weights`,
+`hyper`, `vector_field`), so what is analysed is what the forward pass multiplies by. Where the authors'
+analysis code differs, this file follows SPEC 6: the Lyapunov Jacobians and the spectra are taken at the
+forward pass's times (k+1)/N (theirs at k/N), the spectra come through the time MLP (theirs bypass it) and
+the eigenvalues stay complex (theirs drop the imaginary parts).
+"""
+import html
+import io
+import os
+from dataclasses import dataclass
+
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image  # matplotlib's own dependency
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
+
+import checkpoints
+import prepare
+from configurator import UserError, parse_config, run_main
+from model import DiffEqFormer, ModelConfig, apply_rope, norm, rope_tables, sequential_block, vector_field
+
+matplotlib.use("Agg")  # figures go to files only
+
+DEFAULT_PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the"
+SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}  # f(t) = t^p; p = 0 is 1
+DPI = 100
+
+
+@dataclass
+class AnalyzeConfig:
+    spectral: bool = False  # eigenvalues of QK, OV and the FFN product over t or layers (Fig. 2a/2b, App. E)
+    cluster: bool = False  # the particle simulation of App. C.8 (Fig. 2c/2d); needs no checkpoint
+    lyapunov: bool = False  # token sensitivity by Lyapunov exponents (Eq. 7, Fig. 3)
+    all: bool = False  # all three
+    init_from: str = "out/ckpt.pt"  # the checkpoint to analyse (what `python train.py` writes)
+    out: str = "out-analyze"  # folder for the figures and arrays
+    steps: int = 0  # Euler steps of an ODE checkpoint (0: the checkpoint's own n_layer)
+    times: int = 100  # spectral: time points in [0, 1] for the curves of an ODE checkpoint
+    prompt: str = DEFAULT_PROMPT  # lyapunov: the text whose last position is analysed
+    prompt_file: str = ""  # lyapunov: read the prompt from this file instead
+    top: int = 10  # lyapunov: how many of the most sensitive tokens to print
+
+    def __post_init__(self):
+        if self.all:
+            self.spectral = self.cluster = self.lyapunov = True
+        if self.steps < 0 or self.times < 2 or self.top < 1:
+            raise ValueError(f"need --steps >= 0, --times >= 2 and --top >= 1, got {self.steps}, {self.times}, {self.top}")
+
+
+@dataclass
+class ClusterConfig:
+    particles: int = 40  # n, sampled uniformly in [-1, 1]^dim
+    dim: int = 3  # the figure shows the first three coordinates
+    sim_steps: int = 200  # Euler steps over t in [0, 1]
+    weight_std: float = 4.0  # std of the entries of Q0, K0, V0: the interaction strength at t = 1
+    sphere: bool = True  # project the particles onto the unit sphere after each step (Geshkovski et al.)
+    seed: int = 0
+    cluster_cos: float = 0.99  # two particles are in one cluster when linked by cosine similarities >= this
+
+    def __post_init__(self):
+        if self.particles < 2 or self.dim < 3 or self.sim_steps < 1 or self.weight_std <= 0:
+            raise ValueError("need --particles >= 2, --dim >= 3, --sim_steps >= 1 and --weight_std > 0")
+        if not -1.0 < self.cluster_cos < 1.0:
+            raise ValueError(f"--cluster_cos={self.cluster_cos} must be in (-1, 1)")
+
+
+# -- the checkpoint and the weights the forward pass multiplies by -------------------------------------
+
+def load_model(path):
+    """The checkpoint's model in float64 on the CPU, in eval mode, and its tokenizer's name."""
+    ckpt = checkpoints.load(path, kind=checkpoints.MODEL)
+    try:
+        mcfg = ModelConfig(**ckpt["model_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path} has no usable model config ({type(e).__name__}: {e})") from e
+    with torch.device("meta"):
+        model = DiffEqFormer(mcfg)
+    model = model.to_empty(device="cpu").double()
+    missing, unexpected = model.load_state_dict(checkpoints.clean_state_dict(ckpt.get("model") or {}), strict=False)
+    if missing or unexpected:
+        raise UserError(f"{path} does not hold the weights of its {mcfg.model_type} model: there are no attention heads "
+                        f"or layers to analyse (missing {', '.join(missing[:3]) or 'nothing'}; unexpected "
+                        f"{', '.join(unexpected[:3]) or 'nothing'})")
+    return model.eval().requires_grad_(False), ckpt.get("tokenizer", "byte")
+
+
+def resolve_steps(model, steps, path):
+    """The number of Euler steps to analyse: --steps for an ODE checkpoint, the layers of any other."""
+    cfg = model.cfg
+    if steps and not cfg.is_ode:
+        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with {cfg.n_layer} fixed layers: --steps "
+                        f"applies only to an ODE checkpoint (diffeq or shared); leave it out")
+    try:
+        return model.check_steps(steps or None, "euler")[0]
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+
+def forward_weights(model, steps):
+    """The block weights of each step or layer, [{name: (weight, bias)}], exactly those the forward pass
+    multiplies by: an ODE's `step_weights` at t_k = (k+1)/N (SPEC 2), or the layers' parameters."""
+    if model.cfg.is_ode:
+        return model.step_weights(steps, "euler", model.wte.weight.device)
+    return [layer.weights() for layer in model.layers]
+
+
+def weights_at(model, ts):
+    """An ODE's block weights at any times ts, {name: (W (T, out, in), b (T, out) or None)}: the hypernetwork's
+    output (SPEC 3), or the shared block's at every t."""
+    if model.cfg.model_type == "shared":
+        return stack([model.block.weights()] * len(ts))
+    return model.hyper(ts)
+
+
+def stack(ws):
+    """[{name: (W, b)}, ...] -> {name: (W stacked, b stacked or None)}."""
+    return {name: tuple(None if ws[0][name][i] is None else torch.stack([w[name][i] for w in ws]) for i in (0, 1))
+            for name in ws[0]}
+
+
+def head_weights(W, n_head):
+    """The fused QKV weight (..., 3C, C) in nn.Linear's layout -> Wq, Wk, Wv rows per head, each (..., H, d_h, C):
+    row r of head h is column r of Wq_h in the "x W" convention (q_h = x Wq_h)."""
+    return W.unflatten(-2, (3, n_head, W.size(-1) // n_head)).unbind(-4)
+
+
+def save_figure(fig, path):
+    """A small PNG: rendered at DPI, then reduced to a 256-colour palette (a third of the bytes for line plots)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=DPI)
+    plt.close(fig)
+    Image.open(buffer).convert("RGB").quantize(256).save(path, optimize=True)
+
+
+# -- spectral dynamics (SPEC 6, Fig. 2a/2b, App. E) ----------------------------------------------------
+
+def spectra(w, cfg):
+    """Eigenvalues of QK_h = Wq_h Wk_h^T (H per step), OV_h = Wv_h Wo_h (H per step) and the FFN product W1 W2 for
+    stacked block weights (SPEC 6, "x W" convention): (T, H, d_h), (T, H, d_h), (T, D), complex, each sorted by
+    decreasing magnitude. QK_h and OV_h are D x D of rank d_h, so besides D - d_h zeros their eigenvalues are
+    those of the d_h x d_h products Wk_h^T Wq_h and Wo_h Wv_h (eig(AB) = eig(BA)), which are what is computed.
+    The FFN product is fc then fc2 (GPT) or up then down (SwiGLU, whose gate acts elementwise). Biases, norm
+    gains and RoPE are not part of these products."""
+    q, k, v = head_weights(w["attn"][0], cfg.n_head)  # (T, H, d_h, D) each
+    Wo = w["proj"][0].unflatten(-1, (cfg.n_head, -1)).movedim(-2, -3)  # (T, H, D, d_h): columns of head h
+    first, last = ("up", "down") if cfg.flavor == "llama" else ("fc", "fc2")
+    # Wk_h^T Wq_h, (Wo_h Wv_h)^T (T, H, d_h, d_h) and (W1 W2)^T (T, D, D): a transpose has the same eigenvalues
+    mats = (k @ q.mT, v @ Wo, w[last][0] @ w[first][0])
+    eig = [torch.linalg.eigvals(m) for m in mats]
+    return [e.gather(-1, e.abs().argsort(dim=-1, descending=True)) for e in eig]
+
+
+def spectral(model, steps, times, out):
+    """--spectral: the eigenvalues along t (ODE: --times points and the forward grid) or along the layers."""
+    cfg = model.cfg
+    names = ("qk", "ov", "ffn")
+    grid = [s.numpy() for s in spectra(stack(forward_weights(model, steps)), cfg)]
+    if cfg.is_ode:
+        ts = torch.linspace(0, 1, times, dtype=torch.float64)
+        chunks = [spectra(weights_at(model, chunk), cfg) for chunk in tqdm(ts.split(16), desc="spectra", leave=False)]
+        curves = [torch.cat(parts).numpy() for parts in zip(*chunks)]
+        grid_x = np.arange(1, steps + 1) / steps
+        arrays = dict(t=ts.numpy(), t_grid=grid_x, **dict(zip(names, curves)),
+                      **{f"{n}_grid": g for n, g in zip(names, grid)})
+        x, xlabel = ts.numpy(), "t"
+    else:
+        grid_x, curves = np.arange(1, steps + 1), grid
+        arrays = dict(layer=grid_x, **dict(zip(names, grid)))
+        x, xlabel = grid_x, "layer"
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, "spectral.npz"), **arrays)
+    titles = {"qk": "QK_h = Wq_h Wk_h^T", "ov": "OV_h = Wv_h Wo_h", "ffn": "FFN product W1 W2"}
+    paths = [plot_spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel, f"{titles[n]} ({cfg.model_type}, "
+                           f"{cfg.flavor}, N = {steps})", os.path.join(out, f"spectral_{n}.png"))
+             for n, curve, g in zip(names, curves, grid)]
+    print("spectral radius (largest |eigenvalue|, over heads) " +
+          ("at the forward pass's times t_k = (k+1)/N:" if cfg.is_ode else "layer by layer:"))
+    print(f"{xlabel:>8}  {'QK':>9}  {'OV':>9}  {'FFN':>9}")
+    for i, point in enumerate(grid_x):
+        print(f"{point:8.3g}  " + "  ".join(f"{np.abs(g[i]).max():9.4g}" for g in grid))
+    for n, g, curve in zip(names, grid, curves):
+        radius = np.abs(g).reshape(steps, -1).max(axis=1)
+        line = (f"{n.upper()}: spectral radius {radius[0]:.4g} at {xlabel} {grid_x[0]:.3g} -> {radius[-1]:.4g} at "
+                f"{grid_x[-1]:.3g}, largest {radius.max():.4g} at {grid_x[radius.argmax()]:.3g}")
+        if cfg.is_ode:  # between the grid times the weights are never used by the N-step forward pass
+            between = np.abs(curve).reshape(len(x), -1).max(axis=1)
+            line += f"; over all {times} times: {between.min():.4g} .. {between.max():.4g}"
+        print(line)
+    print(f"wrote {', '.join(paths)} and {os.path.join(out, 'spectral.npz')}")
+
+
+def plot_spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
+    """Real parts and magnitudes against t or layer, one colour per head. Sorted eigenvalues are continuous
+    in t, so each rank is drawn as a line; the forward grid's eigenvalues are marked with dots."""
+    eig = eig if eig.ndim == 3 else eig[:, None]  # the FFN product: one "head"
+    grid_eig = grid_eig if grid_eig.ndim == 3 else grid_eig[:, None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = plt.get_cmap("tab10")
+    for ax, part, label in ((axes[0], np.real, "real part"), (axes[1], np.abs, "magnitude")):
+        for h in range(eig.shape[1]):
+            values = np.sort(part(eig[:, h]), axis=-1)  # (T, k): each rank a continuous curve
+            ax.plot(x, values, color=colors(h % 10), lw=0.8, alpha=0.6, marker=None if grid_x is not None else "o",
+                    ms=2.5)
+            if grid_x is not None:
+                ax.plot(grid_x, part(grid_eig[:, h]), ".", color=colors(h % 10), ms=4)
+            ax.plot([], [], color=colors(h % 10), label=f"head {h}" if eig.shape[1] > 1 else "W1 W2")
+        for g in grid_x if grid_x is not None else ():
+            ax.axvline(g, color="0.85", lw=0.6, zorder=0)
+        ax.set(xlabel=xlabel, ylabel=f"eigenvalue, {label}")
+        ax.axhline(0, color="0.5", lw=0.6)
+    axes[1].legend(fontsize=8, loc="upper left")
+    fig.suptitle(title + ("; dots and grey lines: the forward pass's t_k = (k+1)/N" if grid_x is not None else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path)
+    return path
+
+
+# -- clustering of particles (SPEC 6, App. C.8, Fig. 2c/2d) --------------------------------------------
+
+def simulate_particles(x0, Q0, K0, V0, power, steps, sphere):
+    """dx_i/dt = sum_j softmax_j(<Q(t) x_i, K(t) x_j>) V(t) x_j with Q, K, V = f(t) (Q0, K0, V0), f(t) = t^power
+    (power 0: f = 1, weight sharing), by Euler over t in [0, 1] with the weights at the end of each step as in
+    SPEC 2, optionally projected onto the unit sphere after each step. Returns (steps + 1, n, d)."""
+    h = 1.0 / steps
+    x = x0 / np.linalg.norm(x0, axis=-1, keepdims=True) if sphere else x0
+    xs = [x]
+    for k in range(steps):
+        f = ((k + 1) * h) ** power
+        logits = (x @ (f * Q0).T) @ (x @ (f * K0).T).T  # (n, n): <Q x_i, K x_j>
+        attn = np.exp(logits - logits.max(axis=1, keepdims=True))
+        x = x + h * (attn / attn.sum(axis=1, keepdims=True)) @ (x @ (f * V0).T)
+        if sphere:
+            x = x / np.linalg.norm(x, axis=-1, keepdims=True)
+        xs.append(x)
+    return np.stack(xs)
+
+
+def count_clusters(x, min_cos):
+    """Clusters of the particles' directions (n, d): the connected groups of the graph that links two particles
+    whose cosine similarity is at least min_cos (single linkage at an angular threshold)."""
+    u = x / np.linalg.norm(x, axis=-1, keepdims=True)
+    linked = (u @ u.T >= min_cos).astype(np.int64)
+    reach = linked
+    while True:  # transitive closure: who can reach whom through links
+        wider = ((reach @ linked) > 0).astype(np.int64)
+        if (wider == reach).all():
+            return len({row.tobytes() for row in reach})
+        reach = wider
+
+
+def cluster(ccfg, out):
+    """--cluster: simulate every schedule from the same particles and matrices; figure, table, arrays."""
+    rng = np.random.default_rng(ccfg.seed)
+    x0 = rng.uniform(-1.0, 1.0, (ccfg.particles, ccfg.dim))
+    Q0, K0, V0 = (ccfg.weight_std * rng.standard_normal((ccfg.dim, ccfg.dim)) for _ in range(3))
+    paths = np.stack([simulate_particles(x0, Q0, K0, V0, p, ccfg.sim_steps, ccfg.sphere) for p in SCHEDULES.values()])
+    t = np.arange(ccfg.sim_steps + 1) / ccfg.sim_steps
+    clusters = np.array([[count_clusters(x, ccfg.cluster_cos) for x in path] for path in paths])  # (schedules, steps+1)
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, "cluster.npz"), t=t, trajectories=paths, clusters=clusters, schedules=list(SCHEDULES),
+             x0=x0, Q0=Q0, K0=K0, V0=V0)
+    rows = np.linspace(0, ccfg.sim_steps, 5).round().astype(int)
+    table = [f"clusters among {ccfg.particles} particles (cosine >= {ccfg.cluster_cos}), "
+             f"{'on the sphere' if ccfg.sphere else 'no projection'}, seed {ccfg.seed}",
+             f"{'schedule':<16}" + "".join(f"{f't={t[r]:.2f}':>8}" for r in rows)]
+    table += [f"{name:<16}" + "".join(f"{c[r]:8d}" for r in rows) for name, c in zip(SCHEDULES, clusters)]
+    print("\n".join(table))
+    with open(os.path.join(out, "cluster.txt"), "w") as f:
+        f.write("\n".join(table) + "\n")
+    png = plot_clusters(paths, t, clusters, ccfg, os.path.join(out, "cluster.png"))
+    print(f"wrote {png}, {os.path.join(out, 'cluster.txt')} and {os.path.join(out, 'cluster.npz')}")
+
+
+def plot_clusters(paths, t, clusters, ccfg, path):
+    fig = plt.figure(figsize=(12, 7.5))
+    colors = plt.get_cmap("tab10")
+    for i, (name, xs) in enumerate(zip(SCHEDULES, paths)):
+        ax = fig.add_subplot(2, 3, i + 1, projection="3d")
+        for j in range(xs.shape[1]):
+            ax.plot(*xs[:, j, :3].T, color=colors(i), lw=0.6, alpha=0.5)
+        ax.scatter(*xs[0, :, :3].T, facecolors="none", edgecolors="0.4", s=12, label="start")
+        ax.scatter(*xs[-1, :, :3].T, color=colors(i), edgecolors="black", s=22, label="end")
+        ax.set_title(f"{name}: {clusters[i, -1]} clusters at t = 1", fontsize=10)
+        ax.set(xticklabels=[], yticklabels=[], zticklabels=[])
+        if i == 0:
+            ax.legend(fontsize=8, loc="upper left")
+    ax = fig.add_subplot(2, 3, 6)
+    for i, name in enumerate(SCHEDULES):
+        ax.plot(t, clusters[i], color=colors(i), label=name)
+    ax.set(xlabel="t", ylabel=f"clusters (cosine >= {ccfg.cluster_cos})", ylim=(0, ccfg.particles + 1))
+    ax.legend(fontsize=8)
+    fig.suptitle(f"attention-only particles, weights f(t) (Q0, K0, V0), {ccfg.sim_steps} Euler steps, "
+                 f"{'projected onto the sphere' if ccfg.sphere else 'no projection'} (App. C.8)", fontsize=11)
+    fig.tight_layout()
+    save_figure(fig, path)
+    return path
+
+
+# -- Lyapunov token sensitivity (SPEC 6, Eq. 7, App. B) ----------------------------------------------
+
+def embed(model, idx):
+    """X_0 of SPEC 1 for one sequence of token ids (T,): (T, D)."""
+    x = model.wte(idx)
+    return x + model.wpe(torch.arange(len(idx))) if model.wpe is not None else x
+
+
+def step_fields(model, steps, T):
+    """The forward pass as Euler steps X_{k+1} = X_k + h F_k(X_k) of one sequence's state (T, D): ([F_k], h, weights).
+    F_k is the vector field of SPEC 1 with step k's weights; a GPT or Llama layer, which adds attention and MLP
+    one after the other, is a step of size 1 of F_k(X) = layer(X) - X (SPEC 4)."""
+    cfg = model.cfg
+    W = forward_weights(model, steps)
+    rope = rope_tables(T, cfg.n_embd // cfg.n_head, "cpu", torch.float64) if cfg.flavor == "llama" else None
+    if cfg.model_type == "baseline":
+        fields = [lambda x, w=w: sequential_block(x[None], w, cfg, rope, 0.0)[0] - x for w in W]
+        return fields, 1.0, W, rope
+    return [lambda x, w=w: vector_field(x[None], w, cfg, rope, 0.0)[0] for w in W], 1.0 / len(W), W, rope
+
+
+def jacobians(F_k, x, out):
+    """F_k(x) and J[in] = dF_k(x)[out] / dx[in] for every input position, (T, D, D): one vector-Jacobian product
+    vmapped over the D unit cotangents of F_k[out] (torch.func), not a loop over coordinates."""
+    T, D = x.shape
+    cotangents = torch.zeros(D, T, D, dtype=x.dtype)
+    cotangents[:, out] = torch.eye(D, dtype=x.dtype)
+    with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls and softmax, which vmap batches (the fused CPU
+        # kernel's backward it cannot: it would fall back to a loop over the D cotangents, 4x slower)
+        y, vjp = torch.func.vjp(F_k, x)
+        (J,) = torch.func.vmap(vjp)(cotangents)  # (D, T, D): J[i, in, j] = dF[out]_i / dx[in]_j
+    return y, J.transpose(0, 1)
+
+
+def lyapunov_exponents(fields, h, x0, out, progress=False):
+    """Eq. 7 (SPEC 6): along X_0 .. X_N of the Euler solve, for every input position at once, Q_0 = I and
+    Q <- Q + h J_k Q, J_k = dF_k(X_k)[out] / dX_k[in], then QR and lambda += log|diag R|. Returns the summed
+    exponents (T, D), in the QR's order, and the trajectory [X_0, .., X_N]."""
+    T, D = x0.shape
+    Q = torch.eye(D, dtype=x0.dtype).expand(T, D, D)
+    exponents = torch.zeros(T, D, dtype=x0.dtype)
+    xs = [x0]
+    for F_k in tqdm(fields, desc="lyapunov", leave=False, disable=not progress):
+        y, J = jacobians(F_k, xs[-1], out)
+        Q, R = torch.linalg.qr(Q + h * J @ Q)  # batched over the input positions
+        exponents += R.diagonal(dim1=-2, dim2=-1).abs().log()
+        xs.append(xs[-1] + h * y)  # X_{k+1} = X_k + h F_k(X_k)
+    return exponents, xs
+
+
+def last_position_attention(x, w, cfg, rope):
+    """The plain attention weights of the last position over all positions, per head (H, T) (App. F):
+    softmax(q_out k_in^T / sqrt(d_h)) on the normed state, with the step's own weights."""
+    Wq, Wk, _ = head_weights(w["attn"][0], cfg.n_head)  # (H, d_h, D)
+    y = norm(x, *w["ln_1"], cfg.flavor)  # (T, D)
+    q, k = y @ Wq.mT, y @ Wk.mT  # (H, T, d_h)
+    if w["attn"][1] is not None:
+        bq, bk, _ = w["attn"][1].unflatten(-1, (3, cfg.n_head, -1)).unbind(-3)  # (H, d_h)
+        q, k = q + bq[:, None], k + bk[:, None]
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return F.softmax(q[:, -1:] @ k.mT / q.size(-1) ** 0.5, dim=-1)[:, 0]  # (H, T)
+
+
+def read_prompt(acfg, tok, block_size):
+    """The token ids of --prompt or --prompt_file; an empty prompt or one longer than the context is an error."""
+    text = acfg.prompt
+    if acfg.prompt_file:
+        if not os.path.isfile(acfg.prompt_file):
+            raise UserError(f"prompt file {acfg.prompt_file} does not exist")
+        with open(acfg.prompt_file, encoding="utf-8") as f:
+            text = f.read()
+    ids = tok.encode(text)
+    if not text.strip() or not ids:
+        raise UserError("the prompt is empty: give some text with --prompt=... or --prompt_file=PATH")
+    if len(ids) > block_size:
+        raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size}: shorten it")
+    return ids
+
+
+def lyapunov(model, tok, ids, steps, top, out):
+    """--lyapunov: exponents of every input token for the last position; shaded text, attention, arrays."""
+    cfg = model.cfg
+    idx = torch.tensor(ids)
+    fields, h, W, rope = step_fields(model, steps, len(ids))
+    exponents, xs = lyapunov_exponents(fields, h, embed(model, idx), len(ids) - 1, progress=True)
+    exponents = exponents.sort(dim=-1, descending=True).values.numpy()  # (T, D)
+    scores = exponents[:, 0]  # the largest exponent of each input token
+    attention = torch.stack([last_position_attention(x, w, cfg, rope) for x, w in zip(xs, W)]).numpy()  # (N, H, T)
+    tokens = [tok.decode([i]) for i in ids]
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, "lyapunov.npz"), tokens=np.array(ids), text=np.array(tokens), exponents=exponents,
+             scores=scores, attention=attention, steps=steps)
+    mean_attention = attention.mean(axis=(0, 1))
+    title = (f"{cfg.model_type} ({cfg.flavor}), {steps} {'Euler steps' if cfg.is_ode else 'layers'}; outlined: the "
+             f"last position,\nwhose next token is predicted")
+    rows = [("Lyapunov score (largest exponent) of each token for the last position", scores, "Blues"),
+            ("attention of the last position, mean over heads and steps", mean_attention, "Purples")]
+    png = plot_shaded_text(tokens, rows, title, os.path.join(out, "lyapunov.png"))
+    page = write_html(tokens, rows, title, os.path.join(out, "lyapunov.html"))
+    print(f"the {min(top, len(ids))} input tokens that most steer the prediction after {tokens[-1]!r}:")
+    for i in np.argsort(-scores)[:top]:
+        print(f"  position {i:4d}  {tokens[i]!r:>14}  score {scores[i]:8.4f}  attention {mean_attention[i]:.4f}")
+    print(f"wrote {png}, {page} and {os.path.join(out, 'lyapunov.npz')}")
+
+
+def shade(values, cmap):
+    """Colours (RGBA) for values on a colour map, darker = larger, and whether text on them should be white. The
+    scale spans the tokens before the last: the last one (the output position, whose exponents also hold the MLP's
+    and its own attention's share) would otherwise leave every other token pale; it is drawn at the scale's ends."""
+    lo, hi = scale_of(values)
+    rgba = plt.get_cmap(cmap)(np.clip((values - lo) / (hi - lo), 0, 1) if hi > lo else np.zeros_like(values))
+    return rgba, (rgba[:, :3] @ np.array([0.299, 0.587, 0.114])) < 0.5
+
+
+def scale_of(values):
+    rest = values[:-1] if len(values) > 1 else values
+    return float(rest.min()), float(rest.max())
+
+
+def visible(token):
+    return token.replace("\n", "\u21b5").replace("\t", "\u2192")
+
+
+def layout(tokens, width):
+    """(line, column) of each token in a monospace grid `width` characters wide; a newline token ends its line."""
+    place, line, col = [], 0, 0
+    for tok in tokens:
+        n = len(visible(tok))
+        if col + n > width and col > 0:
+            line, col = line + 1, 0
+        place.append((line, col))
+        col += n
+        if "\n" in tok:
+            line, col = line + 1, 0
+    return place, line + 1
+
+
+def plot_shaded_text(tokens, rows, title, path, width=80):
+    """The prompt once per row of (label, values, colour map), each token on a background shaded by its value,
+    with a colour bar as legend; the last position (the one analysed) is outlined in red."""
+    place, lines = layout(tokens, width)
+    width = max(col + len(visible(tok)) for tok, (_, col) in zip(tokens, place))
+    char_w, line_h, pad = 0.0875, 0.24, 0.4  # inches: DejaVu Sans Mono at 10 pt advances 0.6 em
+    panel_h = lines * line_h + 0.85
+    fig_w, fig_h = max(width * char_w + 2 * pad, 7.5), len(rows) * panel_h + 0.5
+    fig = plt.figure(figsize=(fig_w, fig_h))
+    for r, (label, values, cmap) in enumerate(rows):
+        top = fig_h - 0.5 - r * panel_h - 0.25  # inches from the bottom to the top of this row's text
+        ax = fig.add_axes((pad / fig_w, (top - lines * line_h) / fig_h, width * char_w / fig_w, lines * line_h / fig_h))
+        rgba, white = shade(values, cmap)
+        for i, (tok, (line, col)) in enumerate(zip(tokens, place)):
+            n = len(visible(tok))
+            last = i == len(tokens) - 1
+            ax.add_patch(plt.Rectangle((col, line), n, 1, facecolor=rgba[i], edgecolor="red" if last else "none", lw=1.5))
+            ax.text(col + n / 2, line + 0.55, visible(tok), ha="center", va="center", family="monospace", fontsize=10,
+                    color="white" if white[i] else "black")
+        ax.set(xlim=(0, width), ylim=(lines, 0))
+        ax.axis("off")
+        ax.set_title(f"{label} (last token: {values[-1]:.3g})", fontsize=9, loc="left")
+        cax = fig.add_axes((pad / fig_w, (top - lines * line_h - 0.35) / fig_h, min(3.0, fig_w - 2 * pad) / fig_w,
+                            0.12 / fig_h))
+        bar = plt.cm.ScalarMappable(plt.Normalize(*scale_of(values)), cmap)
+        fig.colorbar(bar, cax=cax, orientation="horizontal")
+        cax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+        cax.tick_params(labelsize=7)
+    fig.text(pad / fig_w, 1 - 0.25 / fig_h, title, va="center", fontsize=9)
+    save_figure(fig, path)
+    return path
+
+
+def write_html(tokens, rows, title, path):
+    """The same shaded text as a web page; hovering over a token shows its value."""
+    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
+             "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+             ".t{font-family:monospace;white-space:pre-wrap;line-height:1.8;font-size:15px}"
+             ".bar{display:inline-block;width:16em;height:0.9em;vertical-align:middle;margin:0 0.5em}</style>",
+             f"<h2>{html.escape(title)}</h2>"]
+    for label, values, cmap in rows:
+        rgba, white = shade(values, cmap)
+        lo, hi = scale_of(values)
+        stops = ", ".join(matplotlib.colors.to_hex(c) for c in plt.get_cmap(cmap)(np.linspace(0, 1, 8)))
+        parts.append(f"<h3>{html.escape(label)} (last token: {values[-1]:.4g})</h3><p>{lo:.4g}<span class='bar' "
+                     f"style='background:linear-gradient(to right, {stops})'></span>{hi:.4g} (darker = larger)</p>"
+                     f"<div class='t'>")
+        for i, tok in enumerate(tokens):
+            outline = ";outline:2px solid red" if i == len(tokens) - 1 else ""
+            parts.append(f"<span title='{values[i]:.4g}' style='background:{matplotlib.colors.to_hex(rgba[i])};"
+                         f"color:{'white' if white[i] else 'black'}{outline}'>{html.escape(tok)}</span>")
+        parts.append("</div>")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(parts) + "\n")
+    return path
+
+
+# -- the script -----------------------------------------------------------------------------------------
+
+def main(argv):
+    acfg, ccfg, given = parse_config(argv, AnalyzeConfig, ClusterConfig)
+    if not (acfg.spectral or acfg.cluster or acfg.lyapunov):
+        raise UserError("choose what to analyse: --spectral, --cluster, --lyapunov or --all")
+    if acfg.spectral or acfg.lyapunov:  # every check before any work
+        model, tokenizer = load_model(acfg.init_from)
+        mcfg, steps = model.cfg, resolve_steps(model, acfg.steps, acfg.init_from)
+        if acfg.spectral and "times" in given and not mcfg.is_ode:
+            raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, whose weights exist only at its "
+                            f"layers: --times applies only to an ODE checkpoint; leave it out")
+        if acfg.lyapunov:
+            try:
+                tok = prepare.get_tokenizer(tokenizer)
+            except ValueError as e:
+                raise UserError(str(e)) from e
+            ids = read_prompt(acfg, tok, mcfg.block_size)
+    if acfg.cluster:
+        cluster(ccfg, acfg.out)
+    if acfg.spectral or acfg.lyapunov:
+        print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), {steps} "
+              f"{'Euler steps' if mcfg.is_ode else 'layers'}, width {mcfg.n_embd}, {mcfg.n_head} heads")
+        with torch.no_grad():  # torch.func differentiates inside it all the same
+            if acfg.spectral:
+                spectral(model, steps, acfg.times, acfg.out)
+            if acfg.lyapunov:
+                lyapunov(model, tok, ids, steps, acfg.top, acfg.out)
+
+
+if __name__ == "__main__":
+    run_main(main)
