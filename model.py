@@ -31,6 +31,7 @@ in the parameters' dtype when it is wider, so a float64 model agrees with an exa
 ~1e-13 (bf16 rounding of t, times the scale 1000, would scramble the sinusoids).
 """
 import functools
+import hashlib
 import math
 from dataclasses import dataclass, fields
 
@@ -242,9 +243,14 @@ class TimeDependentLinear(nn.Module):
         self.C_W = nn.Parameter(torch.empty(d_out, cfg.d_t)) if bias else None
 
     def forward(self, e):
-        z = self.time_mlp(e)  # (T, d_t)
-        W = torch.addmm(self.B_W, z, self.A_W.t())  # (T, out*in)
-        return W, (z @ self.C_W.t() if self.C_W is not None else None)  # (T, out)
+        return self.generate(self.time_mlp(e), self.A_W, self.B_W, self.C_W)
+
+    @staticmethod
+    def generate(z, A_W, B_W, C_W=None):
+        """W(t) flat (T, rows of A_W) and b(t) (T, rows of C_W) from z(t) (T, d_t): the formula, for all
+        rows of A_W, B_W, C_W, or for the rows that one process holds (weightgen.py)."""
+        W = torch.addmm(B_W, z, A_W.t())  # (T, out*in)
+        return W, (z @ C_W.t() if C_W is not None else None)  # (T, out)
 
 
 class TimeDependentNorm(nn.Module):
@@ -257,8 +263,12 @@ class TimeDependentNorm(nn.Module):
         self.H = nn.Parameter(torch.empty(cfg.n_embd, cfg.d_t)) if cfg.flavor == "gpt" else None
 
     def forward(self, e):
-        z = self.time_mlp(e)  # (T, d_t)
-        return 1 + z @ self.G.t(), (z @ self.H.t() if self.H is not None else None)  # (T, C) each
+        return self.generate(self.time_mlp(e), self.G, self.H)
+
+    @staticmethod
+    def generate(z, G, H=None):
+        """gain(t) and bias(t) (T, rows of G, H) from z(t) (T, d_t), as TimeDependentLinear.generate."""
+        return 1 + z @ G.t(), (z @ H.t() if H is not None else None)  # (T, C) each
 
 
 class HyperNetwork(nn.Module):
@@ -275,15 +285,18 @@ class HyperNetwork(nn.Module):
 
     def forward(self, ts):
         e = self.time_embedding(ts).to(self.ln_1.G.dtype)  # (T, 2S+1)
+        return self.assemble({name: m(e) for name, m in self.named_children() if name != "time_embedding"})
+
+    def assemble(self, generated):
+        """{module name: (W flat (..., out*in) or gain (..., C), b)}, as the modules generate them, -> the
+        block's {name: (W (..., out, in), b)}, each W in nn.Linear's layout and the Llama flavour's q, k, v
+        fused into `attn`; for the weights of all times (T, ...) or of one time."""
         out = {}
-        for name, m in self.named_children():
-            if isinstance(m, TimeDependentLinear):
-                W, b = m(e)
-                out[name] = (W.unflatten(1, m.shape), b)  # (T, out, in)
-            elif isinstance(m, TimeDependentNorm):
-                out[name] = m(e)
-        if "q" in out:  # Llama: W_attn(t) = [W_q(t); W_k(t); W_v(t)], (T, 3C, C)
-            out["attn"] = (torch.cat([out.pop(name)[0] for name in ("q", "k", "v")], dim=1), None)
+        for name, (W, b) in generated.items():
+            m = getattr(self, name)
+            out[name] = (W.unflatten(-1, m.shape), b) if isinstance(m, TimeDependentLinear) else (W, b)  # (..., out, in)
+        if "q" in out:  # Llama: W_attn(t) = [W_q(t); W_k(t); W_v(t)], (..., 3C, C)
+            out["attn"] = (torch.cat([out.pop(name)[0] for name in ("q", "k", "v")], dim=-2), None)
         return out
 
 
@@ -316,6 +329,30 @@ class Block(nn.Module):
         return x + (1.0 / cfg.n_layer) * vector_field(x, self.weights(), cfg, rope, dropout)
 
 
+INIT_BLOCK = 1 << 20  # random initial values are drawn in blocks of about this many, each with its own seed
+
+
+def seeded_normal_(rows, std, key, first=0, total=None):
+    """Fill `rows`, rows first.. of a parameter with `total` rows, with N(0, std^2) values drawn in blocks
+    of whole rows (about INIT_BLOCK values), each from a generator seeded by (key, block): every row gets
+    the same value whichever process holds it, at the cost of drawing at most two blocks more."""
+    total = rows.size(0) if total is None else total
+    if rows.numel() == 0:
+        return rows
+    flat = rows.view(rows.size(0), -1)  # (n, values per row)
+    per_block = max(1, INIT_BLOCK // flat.size(1))  # rows per block
+    generator = torch.Generator(rows.device)
+    end = first + rows.size(0)
+    for block in range(first // per_block, (end - 1) // per_block + 1):
+        lo, hi = block * per_block, min((block + 1) * per_block, total)
+        digest = hashlib.blake2b(f"{key}/{block}".encode(), digest_size=8).digest()
+        generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+        values = torch.empty(hi - lo, flat.size(1), device=rows.device, dtype=rows.dtype).normal_(0, std, generator=generator)
+        a, b = max(lo, first), min(hi, end)
+        flat[a - first:b - first] = values[a - lo:b - lo]
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 
 class DiffEqFormer(nn.Module):
@@ -340,36 +377,55 @@ class DiffEqFormer(nn.Module):
 
     # -- initialisation (SPEC 3) -------------------------------------------------------------
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self, local=None):
         """SPEC 3. Reference init (the default, so that the paper's runs are reproduced as they were
         trained): every linear weight and A_W N(0, 0.02^2), biases 0 (B_W included), C_W N(0, 1e-4^2),
         norm G, H zero; the ODE starts as almost the identity map. With init="gpt", B_W starts like a
         GPT weight (N(0, 0.02^2), residual projections / sqrt(2 n_layer)), so the ODE starts as a
-        weight-shared GPT. The ODE's position embeddings start at N(0, 0.01^2) whatever `init` is."""
+        weight-shared GPT. The ODE's position embeddings start at N(0, 0.01^2) whatever `init` is.
+
+        The random values depend only on torch's global RNG (one number is drawn from it), the parameter's
+        name and the row (seeded_normal_), so a process that holds some rows of a parameter can draw just
+        those: `local(p)` -> (the rows of p held here, the index of the first), for FSDP's shards
+        (train.build). A model built on the meta device is left to be initialised that way."""
+        if self.wte.weight.is_meta:
+            return
+        local = local or (lambda p: (p, 0))
+        seed = int(torch.randint(2 ** 62, (), device="cpu"))
         cfg, std = self.cfg, 0.02
         resid_std = std / math.sqrt(2 * cfg.n_layer)
+
+        def normal(name, p, s):
+            rows, first = local(p)
+            seeded_normal_(rows, s, f"{seed}/{name}", first, p.size(0))
+
+        def fill(p, value):
+            local(p)[0].fill_(value)
+
         for name, m in self.named_modules():
             resid = name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS
             if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=resid_std if resid else std)
+                normal(f"{name}.weight", m.weight, resid_std if resid else std)
                 if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+                    fill(m.bias, 0.0)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=0.01 if m is self.wpe and cfg.is_ode else std)
+                normal(f"{name}.weight", m.weight, 0.01 if m is self.wpe and cfg.is_ode else std)
             elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-                m.reset_parameters()
+                fill(m.weight, 1.0)
+                if getattr(m, "bias", None) is not None:
+                    fill(m.bias, 0.0)
             elif isinstance(m, TimeDependentLinear):
-                nn.init.normal_(m.A_W, std=std)
+                normal(f"{name}.A_W", m.A_W, std)
                 if cfg.init == "gpt":
-                    nn.init.normal_(m.B_W, std=resid_std if resid else std)
+                    normal(f"{name}.B_W", m.B_W, resid_std if resid else std)
                 else:
-                    nn.init.zeros_(m.B_W)
+                    fill(m.B_W, 0.0)
                 if m.C_W is not None:
-                    nn.init.normal_(m.C_W, std=1e-4)
+                    normal(f"{name}.C_W", m.C_W, 1e-4)
             elif isinstance(m, TimeDependentNorm):
                 for p in (m.G, m.H):
                     if p is not None:
-                        nn.init.zeros_(p)
+                        fill(p, 0.0)
 
     # -- sizes ---------------------------------------------------------------------------------
     def num_params(self, non_embedding=False):
@@ -380,8 +436,10 @@ class DiffEqFormer(nn.Module):
         return n
 
     # -- the forward pass ------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None):
-        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or None."""
+    def forward(self, idx, targets=None, steps=None, solver=None, weights=None):
+        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or None.
+        weights: the block weights at every stage time, as step_weights returns them, to use instead of
+        generating them here (train.py generates them once per optimizer step: weightgen.py)."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
         B, T = idx.size()
@@ -393,7 +451,7 @@ class DiffEqFormer(nn.Module):
             x = x + self.wpe(torch.arange(T, device=idx.device))
         x = F.dropout(x, dropout, dropout > 0)
         rope = rope_tables(T, cfg.n_embd // cfg.n_head, idx.device, x.dtype) if cfg.flavor == "llama" else None
-        x = self.integrate(x, steps, solver, rope, dropout)
+        x = self.integrate(x, steps, solver, rope, dropout, weights)
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.ln_f(x), head)
         loss = None
@@ -415,16 +473,19 @@ class DiffEqFormer(nn.Module):
                              f"the euler solver; materialize a diffeq model to change its depth")
         return steps, solver
 
-    def integrate(self, x, steps, solver, rope, dropout):
+    def integrate(self, x, steps, solver, rope, dropout, weights=None):
         """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model."""
         cfg = self.cfg
         recompute = cfg.checkpoint and self.training
+        if weights is not None and (not cfg.is_ode or len(weights) != steps * len(SOLVERS[solver])):
+            raise ValueError(f"weights for {len(weights)} stage times given; {steps} {solver} steps of a "
+                             f"{cfg.model_type} model need {steps * len(SOLVERS[solver]) if cfg.is_ode else 'none'}")
         if not cfg.is_ode:
             for layer in self.layers:
                 x = checkpointed(layer)(x, cfg, rope, dropout) if recompute else layer(x, cfg, rope, dropout)
             return x
         f = checkpointed(vector_field) if recompute else vector_field
-        W = self.step_weights(steps, solver, x.device)  # the block weights at every stage time, in order
+        W = self.step_weights(steps, solver, x.device) if weights is None else weights  # at every stage time, in order
         h = 1.0 / steps
         for k in range(steps):
             if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
