@@ -361,6 +361,9 @@ class DiffEqFormer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # the seed of init_weights, drawn before the modules' own default inits use the RNG (which a
+        # build on the meta device skips), so that a meta build draws the one-process build's seed
+        self.init_seed = int(torch.randint(2 ** 62, (), device="cpu"))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.flavor == "gpt" else None
         if cfg.model_type == "diffeq":
@@ -384,14 +387,14 @@ class DiffEqFormer(nn.Module):
         GPT weight (N(0, 0.02^2), residual projections / sqrt(2 n_layer)), so the ODE starts as a
         weight-shared GPT. The ODE's position embeddings start at N(0, 0.01^2) whatever `init` is.
 
-        The random values depend only on torch's global RNG (one number is drawn from it), the parameter's
-        name and the row (seeded_normal_), so a process that holds some rows of a parameter can draw just
+        The random values depend only on init_seed (drawn from torch's global RNG), the parameter's name and
+        the row (seeded_normal_), so a process that holds some rows of a parameter can draw just
         those: `local(p)` -> (the rows of p held here, the index of the first), for FSDP's shards
         (train.build). A model built on the meta device is left to be initialised that way."""
         if self.wte.weight.is_meta:
             return
         local = local or (lambda p: (p, 0))
-        seed = int(torch.randint(2 ** 62, (), device="cpu"))
+        seed = self.init_seed
         cfg, std = self.cfg, 0.02
         resid_std = std / math.sqrt(2 * cfg.n_layer)
 

@@ -1,0 +1,167 @@
+"""
+The ODE's weights, generated once per optimizer step, and under FSDP2 generated where they are sharded.
+
+W(t) = reshape(A_W z(t) + B_W) (SPEC 3) depends on the hypernetwork only, not on the batch. So the
+training loop (train.py) generates the weights of every stage time once per iteration, runs every
+micro-step against detached copies of them (leaves) that collect dL/dW, and pulls dL/dW back into the
+hypernetwork once, after the last micro-step:
+
+    gen.generate()                                       # W(t_k) for every stage time t_k, as leaves
+    for x, y in micro_batches:
+        _, loss = model(x, y, weights=gen.weights())
+        (loss / accum).backward()                        # dL/dW(t_k) += ..., kept in float32
+    gen.backward()                                       # dL/dtheta = (dW/dtheta)^T dL/dW, once
+
+The gradients are those of generating the weights in every forward pass: the pull-back is linear in
+dL/dW, so the sum over micro-steps can be taken before it. The hypernetwork's forward and backward run
+once per iteration instead of once per micro-step, and its activations (z(t), and under autocast the
+bf16 copies of A_W) are not kept through the micro-steps.
+
+Across processes:
+  * DDP: the hypernetwork is left out of DDP's reducer (train.build). dL/dW is all-reduced once per
+    iteration, in one call: as many bytes as a GPT's gradients of the same shape. Every process then
+    pulls back the same dL/dW, so the hypernetwork's gradients agree without being reduced.
+  * FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first dimension, which is the flat index
+    of W's entries: the process holding rows [a, b) of them generates columns [a, b) of the flat W(t)
+    (T, out*in), for every time, from its own shard, without gathering A_W. Those columns are
+    all-gathered in the compute dtype (bf16 on CUDA), dL/dW is reduce-scattered back to them in float32,
+    and the pull-back into A_W and B_W is local. Biases (C_W) and norm gains (G, H) go the same way. The
+    small time MLPs (d_t x (2S+1) and d_t x d_t per weight) are all-gathered, and their gradients, to
+    which every column contributes, reduce-scattered. The collectives are DTensor redistributions.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.func import functional_call
+
+from model import TimeDependentLinear, TimeDependentNorm, stage_times, time_dtype
+
+
+class WeightGenerator:
+    """Drives the hypernetwork of `model` (the raw module: alone, under DDP, or FSDP2-sharded) from outside
+    its forward pass. dtype: the compute dtype, in which the weights are all-gathered and used; dL/dW is
+    accumulated in the parameters' dtype."""
+
+    def __init__(self, model, dtype=None):
+        self.model, self.hyper = model, model.hyper
+        self.units = {name: m for name, m in self.hyper.named_children() if isinstance(m, (TimeDependentLinear, TimeDependentNorm))}
+        param = self.hyper.ln_1.G
+        self.sharded = isinstance(param, DTensor)
+        self.mesh = param.device_mesh if self.sharded else None
+        self.world = self.mesh.size() if self.sharded else dist.get_world_size() if dist.is_initialized() else 1
+        self.param_dtype, self.device = param.dtype, param.device
+        self.dtype = dtype or param.dtype
+        self.release()
+
+    def release(self):
+        """Forget the weights of the last generate() (their memory goes)."""
+        self.generated = self.leaves = self.grads = self.flat = None
+
+    # -- this process's part of the parameters ----------------------------------------------------
+    def own(self, p):
+        """The rows of parameter p held here (all of them unless sharded)."""
+        return p.to_local() if self.sharded else p
+
+    def full(self, p):
+        """All of parameter p (a time MLP's): all-gathered when sharded; the gradient coming back is each
+        process's partial sum, reduce-scattered to the shards."""
+        return p.full_tensor(grad_placements=[Partial()]) if self.sharded else p
+
+    def columns(self, unit):
+        """The full widths of what `unit` generates: (out*in, out or None) for a linear, (C, C or None) for a norm."""
+        params = dict(unit.named_parameters(recurse=False))
+        names = ("A_W", "C_W") if isinstance(unit, TimeDependentLinear) else ("G", "H")
+        return tuple(params[n].size(0) if n in params else None for n in names)
+
+    def gather(self, t, columns):
+        """(T, columns) from this process's columns of it, (T, n), in the compute dtype."""
+        t = t.to(self.dtype)
+        if not self.sharded:
+            return t
+        return DTensor.from_local(t, self.mesh, [Shard(1)], run_check=False, shape=(t.size(0), columns),
+                                  stride=(columns, 1)).full_tensor()
+
+    # -- once per iteration ----------------------------------------------------------------------------
+    def generate(self, steps=None, solver=None, grad=True):
+        """W(t) at every stage time of `steps` steps of `solver` (the model's by default). With grad, as
+        leaves that collect dL/dW for backward(); without (evaluation), as plain tensors."""
+        steps, solver = self.model.check_steps(steps, solver)
+        ts = stage_times(steps, solver, self.device, time_dtype(self.param_dtype))
+        self.release()
+        self.generated = {}
+        with torch.set_grad_enabled(grad):
+            e = self.hyper.time_embedding(ts).to(self.param_dtype)  # (T, 2S+1)
+            for name, unit in self.units.items():
+                mlp = {n: self.full(p) for n, p in unit.time_mlp.named_parameters()}
+                z = functional_call(unit.time_mlp, mlp, (e,))  # (T, d_t)
+                own = {n: self.own(p) for n, p in unit.named_parameters(recurse=False)}
+                self.generated[name] = type(unit).generate(z, **own)  # this process's columns, (T, n) each
+        with torch.no_grad():
+            full = {name: [None if t is None else self.gather(t, n) for t, n in zip(out, self.columns(self.units[name]))]
+                    for name, out in self.generated.items()}
+        if not grad:
+            self.leaves = {name: [None if t is None else t.unbind(0) for t in out] for name, out in full.items()}
+            return
+        # dL/dW of every time accumulates, in the parameters' dtype, in one flat buffer (one all-reduce)
+        sizes = [t.numel() for out in full.values() for t in out if t is not None]
+        self.flat = torch.zeros(sum(sizes), device=self.device, dtype=self.param_dtype)
+        self.leaves, self.grads, offset = {}, {}, 0
+        for name, out in full.items():
+            self.leaves[name], self.grads[name] = [], []
+            for t in out:
+                if t is None:
+                    self.leaves[name].append(None)
+                    self.grads[name].append(None)
+                    continue
+                grad_buffer = self.flat[offset:offset + t.numel()].view(t.shape)  # (T, n)
+                offset += t.numel()
+                steps_of = [w.detach().requires_grad_() for w in t.unbind(0)]  # a leaf per time
+                for w, g in zip(steps_of, grad_buffer.unbind(0)):
+                    w.register_post_accumulate_grad_hook(collect_into(g))
+                self.leaves[name].append(steps_of)
+                self.grads[name].append(grad_buffer)
+
+    def weights(self):
+        """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=): fresh
+        views of the leaves, one list per micro-step."""
+        T = len(next(iter(self.leaves.values()))[0])
+        return [self.hyper.assemble({name: tuple(None if t is None else t[k] for t in out) for name, out in self.leaves.items()})
+                for k in range(T)]
+
+    def backward(self):
+        """dL/dW, summed over the micro-steps, into the hypernetwork's gradients, averaged over the
+        processes: all-reduced (DDP) or reduce-scattered to each process's columns (FSDP2), then one
+        autograd pass back through the generation."""
+        if self.world > 1 and not self.sharded:
+            dist.all_reduce(self.flat)
+        self.flat.div_(self.world)
+        outputs, grads = [], []
+        for name, out in self.generated.items():
+            for t, g in zip(out, self.grads[name]):
+                if t is None:
+                    continue
+                if self.sharded:  # (T, columns) summed over processes -> this process's columns
+                    g = DTensor.from_local(g, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Shard(1)]).to_local()
+                outputs.append(t)
+                grads.append(g)
+        generated = self.generated
+        self.release()  # the leaves and the full-size dL/dW go before the pull-back
+        torch.autograd.backward(outputs, grads)
+        del generated
+
+
+def collect_into(buffer):
+    """A post-accumulate-grad hook: add the leaf's gradient into `buffer` and drop it."""
+    def hook(leaf):
+        buffer.add_(leaf.grad)
+        leaf.grad = None
+    return hook
+
+
+def generated_numel(model):
+    """Entries of the weights generated for one stage time (what one evaluation of F multiplies with)."""
+    return sum(math.prod(m.shape) + (m.shape[0] if m.C_W is not None else 0) if isinstance(m, TimeDependentLinear)
+               else m.G.size(0) + (m.H.size(0) if m.H is not None else 0)
+               for m in model.hyper.children() if isinstance(m, (TimeDependentLinear, TimeDependentNorm)))
