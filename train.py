@@ -132,48 +132,115 @@ def flops_per_token(mcfg, hyper_params, tokens_per_forward):
     return 3 * forward
 
 
-def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16):
-    """Estimated peak bytes per GPU, by part, for the chosen parallelism (bf16 compute, fp32 AdamW)."""
+def activation_bytes(mcfg, dtype, device_type):
+    """Bytes that autograd keeps per token for one evaluation of the block (one solver stage or layer),
+    term by term; on CPU in fp32 a saved-tensors hook counts GPT 15 C and Llama 27 C values. The residual
+    stream stays fp32 under autocast (the embeddings are fp32), and so does each RMSNorm's x / rms(x)."""
+    b, r, C, H = dtype.itemsize, 4, mcfg.n_embd, mcfg.ffn_dim
+    n = r * C + 4 * mcfg.n_head  # the state X_k (both norms read it), the attention's fp32 log-sum-exp
+    if mcfg.flavor == "llama":
+        n += 2 * r * C + b * (2 * C + 3 * C + 2 * C + C + 4 * H)  # x / rms(x) twice; the normed inputs, q k v,
+        # the rotated q and k, the attention output (= the projection's input); SwiGLU's gate, silu, up, product
+    else:
+        n += b * (2 * C + 3 * C + C + 2 * H)  # the normed inputs, q k v, the attention output; fc and GELU outputs
+    if mcfg.model_type == "baseline":
+        n += r * C  # the sequential block's state between attention and MLP
+    if mcfg.dropout > 0:  # masks after attention and MLP: bool on CUDA, float on CPU, where attention with
+        n += 2 * C * (1 if device_type == "cuda" else 4)  # dropout has no fused kernel and keeps three
+        if device_type != "cuda":  # (T, T) matrices per head and copies of q, k, v
+            n += 4 * (3 * mcfg.n_head * mcfg.block_size + 3 * C)
+    return n
+
+
+def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda"):
+    """Estimated peak bytes per process, by part: ("phase", {part: bytes}). The peak is the larger of two
+    moments: the start of the last micro-step's backward (activations, logits and everything held
+    across micro-steps), and, for weights generated once per step, their pull-back into the
+    hypernetwork (every gradient and dL/dW at once). fp32 parameters, gradients and AdamW state; compute
+    in `dtype` (bf16 under autocast and FSDP2's MixedPrecisionPolicy on CUDA; fp32 on CPU)."""
+    b = dtype.itemsize  # compute
     P = model.num_params()
-    largest_unit = max((sum(p.numel() for p in u.parameters()) for u in fsdp_units(model)), default=0)
+    diffeq = mcfg.model_type == "diffeq"
+    hyper = sum(p.numel() for p in model.hyper.parameters()) if diffeq else 0
+    units = [sum(p.numel() for p in u.parameters()) for u in fsdp_units(model)]
+    root = P - sum(units)  # embeddings, final norm, head: FSDP2's root unit, DDP's whole model but for hyper
     sharded = cfg.parallel == "fsdp" and world > 1
+    ddp = cfg.parallel == "ddp" and world > 1
+    share = world if sharded else 1
+    once = diffeq and cfg.generate_once
+    accum = -(-cfg.gradient_accumulation_steps // world)  # micro-steps per process
     evals = mcfg.n_layer * len(SOLVERS[mcfg.solver])
-    B, T, D = cfg.batch_size, mcfg.block_size, mcfg.n_embd
-    plan = {
-        "parameters, gradients and AdamW state (16 B/param)": 16 * P / (world if sharded else 1),
-        "one FSDP unit gathered, with its gradient": 8 * largest_unit if sharded else 0,
-        "generated weights for every step, and their gradients": 2 * 2 * evals * block_params(mcfg) if mcfg.model_type == "diffeq" else 0,
-        "activations (34 B per token and width per step; 2 with checkpointing)": (2 if mcfg.checkpoint else 34) * B * T * D * evals,
-        "logits, their fp32 copy and gradient": 10 * B * T * mcfg.vocab_size,
+    B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
+    generated = weightgen.generated_numel(model) * evals if diffeq else 0  # entries of W(t_k) for every k
+    autocast = dtype != torch.float32
+    unit_bytes = b if sharded and autocast else 4  # FSDP2 gathers the units in bf16 under the policy
+
+    per_eval = activation_bytes(mcfg, dtype, device_type) * B * T
+    if mcfg.checkpoint:  # every evaluation keeps its input; one is recomputed at a time in the backward
+        activations = 4 * C * B * T * evals + per_eval
+        what = "activations: each step's input (checkpoint=True), one step recomputed"
+    else:
+        activations = per_eval * evals
+        what = f"activations ({per_eval / (B * T * C):.0f} B per token, width and step)"
+    activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C  # X(1), the final norm, its output
+    if mcfg.flavor == "llama" and diffeq:
+        activations += b * 3 * C * C * evals  # the fused q, k, v weight, one copy per step and micro-step
+
+    backward = {
+        f"parameters and AdamW state (12 B per parameter{f', sharded {world} ways' if sharded else ''})": 12 * P / share,
+        "gradients (4 B per parameter; the hypernetwork's come after the last micro-step)" if once else
+        "gradients (4 B per parameter)": 4 * (P - hyper if once else P) / share,
+        "FSDP2 root gathered (fp32) with its unsharded gradients": 8 * root if sharded else 0,
+        f"FSDP2 units: two gathered ({unit_bytes} B/param)": 2 * unit_bytes * max(units, default=0) if sharded and not once else 0,
+        "FSDP2 units: unsharded fp32 gradients kept while gradient sync is off":
+            4 * (sum(units) if accum > 1 else max(units, default=0)) if sharded and not once else 0,
+        "DDP's gradient buckets (4 B per replicated parameter)": 4 * (P - hyper if once else P) if ddp else 0,
+        f"autocast's {str(dtype).removeprefix('torch.')} copies of fp32 weights, kept for the backward":
+            2 * ((hyper if diffeq and not once else sum(units)) if not sharded else 0) + 2 * V * C if autocast else 0,
+        f"generated weights W(t_k), {str(dtype).removeprefix('torch.')}, all-gathered once per step" if sharded else
+        "generated weights W(t_k), once per step": b * generated + (4 * generated / share if sharded or autocast else 0) if once else 0,
+        "dL/dW(t_k), accumulated in fp32 over the micro-steps": 4 * generated if once else 0,
+        "generated weights and their gradients, in every micro-step": 2 * b * generated if diffeq and not once else 0,
+        what: activations,
+        "logits: log-softmax output and two gradients (fp32)": 12 * B * T * V,
     }
-    return plan
+    if not once:
+        return "the last micro-step's backward", backward
+    pullback = {
+        "parameters, gradients and AdamW state (16 B per parameter)": 16 * P / share,
+        "dL/dW(t_k) (fp32), and this process's generated columns": 4 * generated + 4 * generated / share * (1 + sharded),
+    }
+    if sum(pullback.values()) > sum(backward.values()):
+        return "the pull-back of dL/dW into the hypernetwork", pullback
+    return "the last micro-step's backward", backward
 
 
-def dry_run(mcfg, cfg, world, dtype=None, verbose=True):
+def dry_run(mcfg, cfg, world, dtype=None, device_type="cuda", verbose=True):
     """Print the plan (verbose) and refuse one that does not fit in gpu_memory_gb. dtype: the compute
     dtype (default: cfg.dtype, with "auto" meaning a GPU's bf16)."""
     with torch.device("meta"):
         model = DiffEqFormer(mcfg)
     world = cfg.gpus or world
     dtype = dtype or getattr(torch, "bfloat16" if cfg.dtype == "auto" else cfg.dtype)
-    plan = memory_plan(model, mcfg, cfg, world, dtype)
+    phase, plan = memory_plan(model, mcfg, cfg, world, dtype, device_type)
     total = sum(plan.values()) / 2 ** 30
     if verbose:
-        print_plan(model, plan, total, mcfg, cfg, world)
+        print_plan(model, phase, plan, total, mcfg, cfg, world, dtype)
     if total > cfg.gpu_memory_gb:
         hint = " with parallel='fsdp' under torchrun" if cfg.parallel == "ddp" or world == 1 else ", a smaller batch_size or checkpoint=True"
-        raise UserError(f"this plan needs ~{total:.0f} GiB per GPU and does not fit in {cfg.gpu_memory_gb:g} GiB; "
-                         f"shard it{hint} (see --dry_run)")
+        where = "GPU" if device_type == "cuda" else "process (the machine's RAM shared by its processes)"
+        raise UserError(f"this plan needs ~{total:.0f} GiB per {where} and does not fit in {cfg.gpu_memory_gb:.3g} GiB; "
+                        f"shard it{hint} (see --dry_run)")
     return plan
 
 
-def print_plan(model, plan, total, mcfg, cfg, world):
+def print_plan(model, phase, plan, total, mcfg, cfg, world, dtype):
     mode = f"{cfg.parallel.upper()} over {world} GPU{'s' * (world > 1)}"
     print(f"model: {mcfg.model_type} ({mcfg.flavor}), {model.num_params() / 1e6:,.1f}M parameters, "
           f"{mcfg.n_layer} steps, d_t={mcfg.d_t}")
     print(f"tokens per iteration: {cfg.batch_size * cfg.gradient_accumulation_steps * mcfg.block_size:,} "
           f"({cfg.batch_size} sequences x {cfg.gradient_accumulation_steps} micro-steps x {mcfg.block_size} tokens)")
-    print(f"estimated memory per GPU with {mode}:")
+    print(f"estimated memory per GPU with {mode}, {str(dtype).removeprefix('torch.')} compute, at its peak, {phase}:")
     for part, b in plan.items():
         if b:
             print(f"  {b / 2 ** 30:8.1f} GiB  {part}")
@@ -549,7 +616,7 @@ def main(argv):
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
         # refuse a plan that cannot fit before an out-of-memory traceback (or the kernel's OOM killer) does
         dry_run(mcfg, dataclasses.replace(cfg, gpu_memory_gb=device_memory_gib(env), gpus=env.world_size), env.world_size,
-                dtype=env.dtype, verbose=False)
+                dtype=env.dtype, device_type=env.device.type, verbose=False)
         with torch.device("meta" if sharded(cfg, env) else env.device):  # FSDP: each rank allocates its shard in build
             model = DiffEqFormer(mcfg)
         env.print(summary(model, cfg, env, data))
