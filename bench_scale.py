@@ -18,6 +18,7 @@ runs under torchrun on 2 gloo processes; each records the rise of its peak RSS (
 above its RSS before training, with glibc returning every block of 64 KiB or more to the system when
 freed (MALLOC_MMAP_THRESHOLD_=65536), against train.memory_plan for the same run in fp32.
 """
+import itertools
 import json
 import os
 import resource
@@ -41,6 +42,8 @@ class ScaleConfig:
     pairs: int = 5  # interleaved timed pairs (step)
     accum: int = 1  # micro-steps per iteration (step, comm)
     world: int = 2  # processes (comm, memory)
+    shapes: str = ""  # memory: which of MEMORY_SHAPES (default: all)
+    models: str = "once"  # memory: any of once (the ODE, weights once per step), per_micro_step (the ODE as before), gpt
     probe: str = ""  # internal: the worker of one comm or memory measurement
 
 
@@ -238,10 +241,14 @@ def mb(n):
 # -- memory: the plan against measured peaks --------------------------------------------------------------
 
 MEMORY_SHAPES = {
+    "tiny": ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2", "--d_t=4", "--time_freqs=4",
+             "--vocab_size=256"],
     "A": ["--n_layer=4", "--n_embd=256", "--n_head=4", "--block_size=256", "--batch_size=8", "--d_t=16", "--time_freqs=16",
           "--vocab_size=256"],
     "B": ["--n_layer=6", "--n_embd=384", "--n_head=6", "--block_size=256", "--batch_size=8", "--d_t=24", "--time_freqs=32",
           "--vocab_size=4096"],
+    "C": ["--n_layer=4", "--n_embd=256", "--n_head=4", "--block_size=64", "--batch_size=1", "--d_t=64", "--time_freqs=16",
+          "--vocab_size=256"],  # few tokens, large d_t: the pull-back of dL/dW is the peak
 }
 
 
@@ -263,8 +270,8 @@ def memory_probe(cfg, argv):
         from model import DiffEqFormer
         model = DiffEqFormer(mcfg)
     phase, plan = train.memory_plan(model, mcfg, tcfg, int(os.environ["WORLD_SIZE"]), torch.float32, "cpu")
-    print("RESULT " + json.dumps(dict(rank=int(os.environ["RANK"]), peak=peak, plan=sum(plan.values()), phase=phase,
-                                      terms=plan)), flush=True)
+    with open(os.path.join(os.environ["RESULT_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(dict(rank=int(os.environ["RANK"]), peak=peak, plan=sum(plan.values()), phase=phase, terms=plan), f)
 
 
 def memory(cfg, argv):
@@ -272,20 +279,22 @@ def memory(cfg, argv):
         data = ["--dataset=shakespeare", f"--data_root={tmp}/data"]
         import prepare
         prepare.prepare(dataset="shakespeare", tokenizer="byte", input_file="", val_file="", data_root=f"{tmp}/data")
-        print(f"{'shape':6s}{'flavour':8s}{'parallel':9s}{'plan MiB':>10s}{'peak MiB (ranks)':>20s}{'plan/peak':>11s}  peak phase")
-        for shape, shape_args in MEMORY_SHAPES.items():
-            for flavor in ("gpt", "llama"):
-                for parallel in ("ddp", "fsdp"):
-                    args = [*shape_args, *data, f"--flavor={flavor}", f"--parallel={parallel}", "--max_iters=3",
-                            "--eval_interval=100", "--eval_iters=2", "--log_interval=100", "--dropout=0",
-                            f"--gradient_accumulation_steps={2 * cfg.world}", f"--out_dir={tmp}/out-{shape}-{flavor}-{parallel}",
-                            "--device=cpu", *argv]
-                    out = torchrun(cfg.world, ["--probe=memory", *args], env=dict(MALLOC_MMAP_THRESHOLD_="65536"))
-                    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
-                    peaks = [r["peak"] / 2 ** 20 for r in sorted(results, key=lambda r: r["rank"])]
-                    plan = results[0]["plan"] / 2 ** 20
-                    print(f"{shape:6s}{flavor:8s}{parallel:9s}{plan:10,.0f}{' / '.join(f'{p:,.0f}' for p in peaks):>20s}"
-                          f"{plan / max(peaks):11.2f}  {results[0]['phase']}", flush=True)
+        print(f"{'model':16s}{'shape':6s}{'flavour':8s}{'parallel':9s}{'plan MiB':>10s}{'peak MiB (ranks)':>20s}{'plan/peak':>11s}  peak phase")
+        models = {"once": [], "per_micro_step": ["--no-generate_once"], "gpt": ["--model_type=baseline"]}
+        for model, shape, flavor, parallel in itertools.product(cfg.models.split(","), MEMORY_SHAPES, ("gpt", "llama"), ("ddp", "fsdp")):
+            if cfg.shapes and shape not in cfg.shapes.split(","):
+                continue
+            args = [*MEMORY_SHAPES[shape], *models[model], *data, f"--flavor={flavor}", f"--parallel={parallel}", "--max_iters=3",
+                    "--eval_interval=100", "--eval_iters=2", "--log_interval=100", "--dropout=0",
+                    f"--gradient_accumulation_steps={2 * cfg.world}", f"--out_dir={tmp}/out-{model}-{shape}-{flavor}-{parallel}",
+                    "--device=cpu", *argv]
+            results_dir = tempfile.mkdtemp(dir=tmp)
+            torchrun(cfg.world, ["--probe=memory", *args], env=dict(MALLOC_MMAP_THRESHOLD_="65536", RESULT_DIR=results_dir))
+            results = [json.load(open(os.path.join(results_dir, name))) for name in os.listdir(results_dir)]
+            peaks = [r["peak"] / 2 ** 20 for r in sorted(results, key=lambda r: r["rank"])]
+            plan = results[0]["plan"] / 2 ** 20
+            print(f"{model:16s}{shape:6s}{flavor:8s}{parallel:9s}{plan:10,.0f}{' / '.join(f'{p:,.0f}' for p in peaks):>20s}"
+                  f"{plan / max(peaks):11.2f}  {results[0]['phase']}", flush=True)
 
 
 # -- the script ---------------------------------------------------------------------------------------

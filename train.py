@@ -152,6 +152,15 @@ def activation_bytes(mcfg, dtype, device_type):
     return n
 
 
+def runtime_overhead(device_type):
+    """What a process holds besides tensors: on CPU, measured (bench_scale.py --what=memory: a tiny model's
+    peak RSS rise, 2 gloo processes); on CUDA an allowance, not measured here, for the CUDA context, NCCL's
+    buffers and the caching allocator's fragmentation."""
+    if device_type == "cuda":
+        return {"CUDA context, NCCL buffers, allocator fragmentation (an allowance)": 3 * 2 ** 30}
+    return {"process group, kernels' workspaces, Python (measured on CPU)": 70 * 2 ** 20}
+
+
 def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda"):
     """Estimated peak bytes per process, by part: ("phase", {part: bytes}). The peak is the larger of two
     moments: the start of the last micro-step's backward (activations, logits and everything held
@@ -203,12 +212,14 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
         "generated weights and their gradients, in every micro-step": 2 * b * generated if diffeq and not once else 0,
         what: activations,
         "logits: log-softmax output and two gradients (fp32)": 12 * B * T * V,
+        **runtime_overhead(device_type),
     }
     if not once:
         return "the last micro-step's backward", backward
     pullback = {
         "parameters, gradients and AdamW state (16 B per parameter)": 16 * P / share,
         "dL/dW(t_k) (fp32), and this process's generated columns": 4 * generated + 4 * generated / share * (1 + sharded),
+        **runtime_overhead(device_type),
     }
     if sum(pullback.values()) > sum(backward.values()):
         return "the pull-back of dL/dW into the hypernetwork", pullback
