@@ -306,7 +306,10 @@ def build(model, cfg, env):
     if cfg.compile:
         model.compile()
     if env.distributed and cfg.parallel == "fsdp":
-        model = shard(model, mixed_precision(env))
+        # weights generated once per step never run the hypernetwork's units through FSDP2 (weightgen.py
+        # gathers W in bf16 and reduces dL/dW in fp32 itself); a policy on them would only trip FSDP2's
+        # post-backward on parameters it never unsharded (torch 2.13, with gradient sync off)
+        model = shard(model, None if generates_once(raw, cfg) else mixed_precision(env))
     elif env.distributed:
         DDP = torch.nn.parallel.DistributedDataParallel
         if generates_once(raw, cfg):  # weightgen.py reduces the generated weights' gradients itself

@@ -1,0 +1,274 @@
+"""The ODE at scale: weights generated once per optimizer step give the gradients of generating them in
+every forward pass (one process; two gloo processes under DDP and FSDP2, sharded generation), a sharded
+build initialises each shard as a one-process build does, fused AdamW equals the default, sharded
+checkpoints of the new path resume exactly and convert, the memory check refuses on CPU, and one
+iteration moves the bytes it should."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import checkpoints
+import runtime
+import train
+import weightgen
+from configurator import UserError
+from model import DiffEqFormer, ModelConfig
+
+from conftest import ROOT, TINY
+
+
+def perturb(model):
+    """Add the same noise to every parameter on every process (each its own rows when sharded), so that no
+    gradient is zero by the reference init (z(t) ~ 0, G = H = 0)."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype) * 0.05
+            rows, first = train.shard_rows(p)
+            rows.add_(noise[first:first + rows.size(0)])
+
+
+def micro_batches(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (2, 12), generator=g) for _ in range(n)]
+
+
+def plain_gradients(model, batches):
+    """The reference: weights generated in every forward pass, one process, every micro-batch; dropout
+    masks seeded per micro-batch."""
+    losses = []
+    for i, x in enumerate(batches):
+        torch.manual_seed(100 + i)
+        _, loss = model(x, x)
+        (loss / len(batches)).backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_close_grads(got, want, tol):
+    for name, g in want.items():
+        scale = g.abs().max()
+        assert scale > 0, name  # every parameter is reached, so every gradient is checked
+        assert (got[name] - g).abs().max() <= tol * scale, name
+
+
+# -- one process --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+@pytest.mark.parametrize("solver", ["euler", "rk4"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_weights_once_per_step_give_the_plain_gradients(flavor, solver, dtype, tol):
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**{**TINY, "flavor": flavor, "solver": solver, "dropout": 0.1})).to(dtype)
+    perturb(model)
+    batches = micro_batches(3, TINY["vocab_size"])
+    losses, want = plain_gradients(model, batches)
+    model.zero_grad(set_to_none=True)
+    gen = weightgen.WeightGenerator(model)
+    gen.generate()
+    for i, x in enumerate(batches):
+        torch.manual_seed(100 + i)
+        _, loss = model(x, x, weights=gen.weights())
+        (loss / len(batches)).backward()
+        assert loss.item() == losses[i]  # the same weights and dropout masks: the same numbers
+    assert all(p.grad is None for p in model.hyper.parameters())  # nothing reaches the hypernetwork yet
+    gen.backward()
+    assert_close_grads({n: p.grad for n, p in model.named_parameters()}, want, tol)
+
+
+def test_generated_weights_are_leaves_in_the_compute_dtype_with_fp32_gradients():
+    """The CPU twin of bf16 compute: weights used in bf16, dL/dW accumulated in fp32, gradients close."""
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**TINY))
+    perturb(model)
+    batches = micro_batches(2, TINY["vocab_size"])
+    _, want = plain_gradients(model, batches)
+    model.zero_grad(set_to_none=True)
+    gen = weightgen.WeightGenerator(model, torch.bfloat16)
+    gen.generate()
+    w = gen.weights()[0]
+    assert w["attn"][0].dtype == torch.bfloat16 and gen.flat.dtype == torch.float32
+    for i, x in enumerate(batches):
+        torch.manual_seed(100 + i)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, x, weights=gen.weights())
+        (loss / len(batches)).backward()
+    gen.backward()
+    assert_close_grads({n: p.grad for n, p in model.named_parameters()}, want, 0.1)
+
+
+def test_fused_adamw_is_used_on_cpu_and_equals_the_default():
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**TINY))
+    other = DiffEqFormer(ModelConfig(**TINY))
+    other.load_state_dict(model.state_dict())
+    cfg = train.TrainConfig(learning_rate=1e-2)
+    fused = train.configure_optimizer(model, cfg, torch.device("cpu"))
+    assert fused.defaults["fused"]
+    default = train.configure_optimizer(other, cfg, torch.device("cpu"))
+    for group in default.param_groups:
+        group["fused"] = False
+    for step in range(3):
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)) * 0.1
+            q.grad = p.grad.clone()
+        fused.step()
+        default.step()
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# -- two processes --------------------------------------------------------------------------------------
+
+SHAPES = {  # odd sizes, so that FSDP2's shards are uneven: 27 x 81 rows of attn's A_W, d_t = 5 rows of each L1
+    "gpt": dict(TINY, n_embd=27, n_head=3, d_t=5, dropout=0.1, solver="rk4"),
+    "llama": dict(TINY, flavor="llama", n_embd=36, n_head=3, ffn_dim=50, d_t=5, dropout=0.1),
+}
+
+
+def spawn(fn, args, world=2, timeout=300):
+    """fn(rank, world, *args) in `world` processes; fails instead of hanging if one does not finish."""
+    context = mp.spawn(fn, args=(world, *args), nprocs=world, join=False)
+    deadline = time.time() + timeout
+    while not context.join(timeout=5):
+        if time.time() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"{fn.__name__} did not finish in {timeout} s")
+
+
+def gradient_worker(rank, world, store, out, shape, parallel, dtype, accum):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        env = runtime.Env(torch.device("cpu"), dtype, rank, rank, world)
+        cfg = train.TrainConfig(parallel=parallel)
+        torch.manual_seed(0)
+        with torch.device("meta" if parallel == "fsdp" else "cpu"):
+            model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
+        model, raw = train.build(model, cfg, env)
+        initial = {n: (p.full_tensor() if parallel == "fsdp" else p).detach().clone() for n, p in raw.named_parameters()}
+        perturb(raw)
+        gen = weightgen.WeightGenerator(raw, dtype)
+        gen.generate()
+        batches = micro_batches(accum, SHAPES[shape]["vocab_size"])
+        mine = list(range(rank, accum, world))
+        for j, i in enumerate(mine):
+            torch.manual_seed(100 + i)
+            with train.sync(model, j == len(mine) - 1, cfg, env), env.autocast():
+                _, loss = model(batches[i], batches[i], weights=gen.weights())
+                (loss / len(mine)).backward()
+        gen.backward()
+        grads = {n: (p.grad.full_tensor() if parallel == "fsdp" else p.grad).float() for n, p in raw.named_parameters()}
+        torch.save(dict(initial=initial, grads=grads), os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape,parallel,dtype", [("gpt", "ddp", "float32"), ("gpt", "fsdp", "float32"),
+                                                  ("llama", "fsdp", "float32"), ("llama", "ddp", "float32"),
+                                                  ("gpt", "fsdp", "bfloat16")])
+def test_two_processes_generate_the_plain_gradients(tmp_path, shape, parallel, dtype):
+    """DDP: dL/dW all-reduced once; FSDP2: each process generates its columns of W from its shards,
+    all-gathers them, reduce-scatters dL/dW. Both equal one process generating W in every forward pass
+    over all 4 micro-batches; a sharded build starts from the one-process build's weights. bfloat16: the
+    CPU twin of CUDA's MixedPrecisionPolicy and bf16 all-gather."""
+    dtype, accum = getattr(torch, dtype), 4
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    perturb(model)
+    _, want = plain_gradients(model, micro_batches(accum, SHAPES[shape]["vocab_size"]))
+    spawn(gradient_worker, (str(tmp_path / "store"), str(tmp_path), shape, parallel, dtype, accum))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(got["initial"][n], p) for n, p in initial.items())
+        assert_close_grads(got["grads"], want, 1e-5 if dtype == torch.float32 else 0.1)
+
+
+# -- runs under torchrun --------------------------------------------------------------------------------
+
+ARGS = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=1", "--learning_rate=3e-3", "--dataset=shakespeare", "--dropout=0.1",
+        "--max_iters=6", "--eval_interval=3", "--gradient_accumulation_steps=4"]
+
+
+def torchrun(tmp_path, shakespeare, *args, out):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *ARGS,
+           f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / out}", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["iter"]: r["loss"] for r in map(json.loads, open(tmp_path / out / "log.jsonl")) if "loss" in r}
+
+
+def test_sharded_checkpoints_of_the_new_path_resume_exactly_and_convert(tmp_path, shakespeare):
+    straight = torchrun(tmp_path, shakespeare, "--parallel=fsdp", out="a")
+    torchrun(tmp_path, shakespeare, "--parallel=fsdp", "--stop_at=3", out="b")
+    resumed = torchrun(tmp_path, shakespeare, "--parallel=fsdp", "--init_from=resume", out="b")
+    assert sorted(resumed) == list(range(6))
+    for it in range(3, 6):
+        assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
+    train.main([f"--convert={tmp_path / 'b' / 'ckpt_sharded'}"])
+    ckpt = checkpoints.load(str(tmp_path / "b" / "ckpt.pt"))
+    assert ckpt["iter_num"] == 6
+    DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
+
+
+def test_the_memory_check_refuses_a_plan_larger_than_the_machine_on_cpu(tmp_path, shakespeare):
+    """The ODE Llama-1B in one CPU process needs ~100 GiB: refused before any model is built."""
+    with pytest.raises(UserError, match=r"needs ~\d+ GiB per process \(the machine's RAM shared by its processes\) "
+                                        r"and does not fit"):
+        train.main(["config/llama1b.py", "--device=cpu", "--dataset=shakespeare", "--tokenizer=byte",
+                    f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"])
+
+
+def test_the_plan_names_every_term_and_fits_llama1b_on_8_gpus(capsys):
+    from configurator import parse_config
+    mcfg, cfg, _ = parse_config(["config/llama1b.py", "--gpus=8"], ModelConfig, train.TrainConfig)
+    total = sum(train.dry_run(mcfg, cfg, 1).values()) / 2 ** 30
+    out = capsys.readouterr().out
+    assert total <= 60
+    for term in ("generated weights W(t_k), bfloat16, all-gathered once per step", "dL/dW(t_k), accumulated in fp32",
+                 "FSDP2 root gathered", "activations", "logits", "CUDA context"):
+        assert term in out, term
+    old = train.dry_run(mcfg, train.TrainConfig(**{**cfg.__dict__, "generate_once": False}), 1, verbose=False)
+    assert any("unsharded fp32 gradients kept while gradient sync is off" in k and v > 20 * 2 ** 30 for k, v in old.items())
+
+
+# -- bytes moved by collectives ----------------------------------------------------------------------------
+
+def comm_worker(rank, world, store, out, parallel):
+    import bench_scale
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        env = runtime.Env(torch.device("cpu"), torch.float32, rank, rank, world)
+        result = {}
+        args = [f"--{k}={v}" for k, v in TINY.items()] + [f"--parallel={parallel}", "--batch_size=2",
+                                                           "--gradient_accumulation_steps=4"]
+        for name, model_over, train_over in bench_scale.COMM_MODELS:
+            mcfg, tcfg = bench_scale.configs(args, model=model_over, train=train_over)
+            step, *_ = bench_scale.setup_run(mcfg, tcfg, env)
+            step(0)
+            mode = bench_scale.counting_mode()
+            with mode:
+                step(1)
+            result[name] = sum(mode.bytes.values())
+        if rank == 0:
+            torch.save(result, os.path.join(out, "bytes.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_weights_once_per_step_move_at_most_twice_the_bytes_of_gpt(tmp_path, parallel):
+    spawn(comm_worker, (str(tmp_path / "store"), str(tmp_path), parallel))
+    got = torch.load(tmp_path / "bytes.pt")
+    gpt, before, once = got.values()
+    assert once <= 2 * gpt and before > 2.5 * gpt, got
