@@ -197,12 +197,15 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
 
     backward = {
         f"parameters and AdamW state (12 B per parameter{f', sharded {world} ways' if sharded else ''})": 12 * P / share,
+        # FSDP2's sharded gradients appear only at the last micro-step's reduce-scatter; the unsharded ones are
+        # kept from the first micro-step on (gradient sync off), for every unit that ran
         "gradients (4 B per parameter; the hypernetwork's come after the last micro-step)" if once else
-        "gradients (4 B per parameter)": 4 * (P - hyper if once else P) / share,
+        "gradients (4 B per parameter)": 4 * (P - hyper if once else P) if not sharded else 0,
         "FSDP2 root gathered (fp32) with its unsharded gradients": 8 * root if sharded else 0,
-        f"FSDP2 units: two gathered ({unit_bytes} B/param)": 2 * unit_bytes * max(units, default=0) if sharded and not once else 0,
-        "FSDP2 units: unsharded fp32 gradients kept while gradient sync is off":
-            4 * (sum(units) if accum > 1 else max(units, default=0)) if sharded and not once else 0,
+        f"FSDP2 units: two layers gathered ({unit_bytes} B/param)":  # the ODE's run before and after the step loop
+            2 * unit_bytes * max(units, default=0) if sharded and not diffeq else 0,
+        "FSDP2 units: unsharded fp32 gradients kept while gradient sync is off" if accum > 1 else
+        "FSDP2 units: one unsharded gradient": 4 * (sum(units) if accum > 1 else max(units, default=0)) if sharded and not once else 0,
         "DDP's gradient buckets (4 B per replicated parameter)": 4 * (P - hyper if once else P) if ddp else 0,
         f"autocast's {str(dtype).removeprefix('torch.')} copies of fp32 weights, kept for the backward":
             2 * ((hyper if diffeq and not once else sum(units)) if not sharded else 0) + 2 * V * C if autocast else 0,
