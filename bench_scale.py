@@ -6,6 +6,7 @@ plan): the training step against GPT's, bytes moved by collectives, and the plan
     python bench_scale.py --what=step --threads=1 --vocab_size=256 --accum=8
     python bench_scale.py --what=comm                            # bytes per iteration, 2 gloo processes
     python bench_scale.py --what=memory                          # the plan against measured peaks, 2 gloo processes
+    python bench_scale.py --what=comm_plan config/llama1b.py --world=8       # the byte arithmetic for a config
 
 step: train.train_step (forward, backward, clipping, fused AdamW) of a GPT and the DiffEqFormer of the same
 shape, interleaved (A, B, B, A, ...) in one process; the ratio is the median of the per-pair ratios,
@@ -191,7 +192,7 @@ def step(cfg, argv):
 
 COMM_SHAPE = ["--n_layer=4", "--n_embd=128", "--n_head=4", "--block_size=64", "--d_t=16", "--time_freqs=16",
               "--vocab_size=512", "--batch_size=2"]
-COMM_MODELS = (("GPT", dict(model_type="baseline"), {}), ("ODE, weights per micro-step", {}, dict(generate_once=False)),
+COMM_MODELS = (("baseline", dict(model_type="baseline"), {}), ("ODE, weights per micro-step", {}, dict(generate_once=False)),
                ("ODE, weights once per step", {}, dict(generate_once=True)))
 
 
@@ -214,6 +215,52 @@ def comm_probe(cfg, argv):
     runtime.teardown()
 
 
+def planned_bytes(mcfg, tcfg, world, dtype):
+    """{model: bytes per iteration and process} by the arithmetic of the counts above: FSDP2 all-gathers a
+    unit in its forward and again in its backward, the root (embeddings, head) once per micro-step, and
+    reduce-scatters once per iteration (gradient sync off before the last micro-step); weights generated
+    once per step are all-gathered once (compute dtype) and dL/dW reduce-scattered once (fp32); DDP
+    all-reduces every gradient it holds once."""
+    import train
+    import weightgen
+    from model import SOLVERS, DiffEqFormer, ModelConfig
+    m = tcfg.gradient_accumulation_steps // world  # micro-steps per process
+    b = dtype.itemsize  # compute; FSDP2 gathers the units in it under its policy, the root in fp32
+    out = {}
+    for name, model_over, train_over in COMM_MODELS:
+        with torch.device("meta"):
+            model = DiffEqFormer(ModelConfig(**{**mcfg.to_dict(), **model_over}))
+        cfg = train.TrainConfig(**{**tcfg.__dict__, **train_over})
+        P = model.num_params()
+        units = sum(sum(p.numel() for p in u.parameters()) for u in train.fsdp_units(model))
+        root = P - units
+        once = train.generates_once(model, cfg)
+        generated = weightgen.generated_numel(model) * mcfg.n_layer * len(SOLVERS[mcfg.solver]) if once else 0
+        mlps = sum(p.numel() for n, p in model.named_parameters() if "time_mlp" in n) if once else 0
+        if cfg.parallel == "ddp":
+            out[name] = 2 * 4 * ((P - units if once else P) + generated)
+        elif once:
+            out[name] = (b + 4) * generated + 8 * mlps + 4 * root * (m + 1)
+        else:
+            out[name] = m * (2 * b * units + 4 * root) + 4 * (units + root)
+    return out
+
+
+def comm_plan(cfg, argv):
+    """The arithmetic of planned_bytes for a training config (bf16 compute, as on GPUs)."""
+    mcfg, tcfg = configs(argv)
+    for parallel in ("ddp", "fsdp"):
+        planned = planned_bytes(mcfg, train_config(tcfg, parallel=parallel), cfg.world, torch.bfloat16)
+        gpt = planned["baseline"]
+        print(f"{parallel.upper()} over {cfg.world} GPUs, {tcfg.gradient_accumulation_steps // cfg.world} micro-steps each: " +
+              ", ".join(f"{name} {n / 1e9:,.1f} GB ({n / gpt:.2f} x)" for name, n in planned.items()))
+
+
+def train_config(tcfg, **changes):
+    import train
+    return train.TrainConfig(**{**tcfg.__dict__, **changes})
+
+
 def comm(cfg, argv):
     rows = {}
     for parallel in ("ddp", "fsdp"):
@@ -223,14 +270,17 @@ def comm(cfg, argv):
     mcfg, tcfg = configs(COMM_SHAPE + argv)
     print(f"bytes moved by collectives per iteration and process ({cfg.world} processes, {cfg.accum} micro-step(s) each; "
           f"{mcfg.n_layer} steps, width {mcfg.n_embd}, d_t {mcfg.d_t}, vocabulary {mcfg.vocab_size})")
-    print(f"{'':8s}{'model':30s}{'all-reduce':>12s}{'all-gather':>12s}{'reduce-scat.':>13s}{'other':>9s}{'total':>12s}{'/ GPT':>8s}")
+    print(f"{'':6s}{'model':30s}{'all-reduce':>12s}{'all-gather':>12s}{'reduce-scat.':>13s}{'other':>9s}{'total':>12s}"
+          f"{'/ base':>7s}{'planned':>12s}")
     for parallel, by_model in rows.items():
-        gpt = sum(by_model["GPT"].values())
+        gpt = sum(by_model["baseline"].values())
+        args = COMM_SHAPE + [f"--parallel={parallel}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
+        planned = planned_bytes(*configs(args), cfg.world, torch.float32)
         for name, kinds in by_model.items():
             other = sum(v for k, v in kinds.items() if k not in ("all-reduce", "all-gather", "reduce-scatter"))
-            print(f"{parallel.upper():8s}{name:30s}{mb(kinds.get('all-reduce', 0)):>12s}{mb(kinds.get('all-gather', 0)):>12s}"
+            print(f"{parallel.upper():6s}{name:30s}{mb(kinds.get('all-reduce', 0)):>12s}{mb(kinds.get('all-gather', 0)):>12s}"
                   f"{mb(kinds.get('reduce-scatter', 0)):>13s}{mb(other):>9s}{mb(sum(kinds.values())):>12s}"
-                  f"{sum(kinds.values()) / gpt:8.2f}")
+                  f"{sum(kinds.values()) / gpt:7.2f}{mb(planned[name]):>12s}")
     return rows
 
 
@@ -316,7 +366,7 @@ def main(argv):
         return comm_probe(cfg, rest)
     if cfg.probe == "memory":
         return memory_probe(cfg, rest)
-    {"step": step, "comm": comm, "memory": memory}[cfg.what](cfg, rest)
+    {"step": step, "comm": comm, "comm_plan": comm_plan, "memory": memory}[cfg.what](cfg, rest)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,12 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
 The nanoGPT loop, as a function (`fit`) that finetune.py reuses: gradient accumulation, bf16 autocast
 on CUDA, optional torch.compile, AdamW with warm-up and cosine decay (SPEC 7), periodic evaluation,
 a tqdm bar with loss, tokens/s and MFU, a JSONL log and a loss-curve PNG, atomic checkpoints and an
-exact `--init_from=resume`. Batches are drawn from RNGs seeded by (seed, iteration, micro-step, rank)
-and dropout masks from one seeded by (seed, iteration, rank), so the iteration number is the whole
-data position and RNG state of a run.
+exact `--init_from=resume`. The ODE's weights are generated once per optimizer step, sharded under
+FSDP2 (weightgen.py); under FSDP2 every rank builds the model on the meta device and allocates and
+initialises only its own shard; a plan that cannot fit in the GPU's memory, or on CPU in the
+machine's RAM, is refused before the model is built (memory_plan, also `--dry_run`). Batches are
+drawn from RNGs seeded by (seed, iteration, micro-step, rank) and dropout masks from one seeded by
+(seed, iteration, rank), so the iteration number is the whole data position and RNG state of a run.
 """
 import contextlib
 import dataclasses
@@ -123,7 +126,7 @@ def block_params(mcfg):
 def flops_per_token(mcfg, hyper_params, tokens_per_forward):
     """Training FLOPs per token (forward + backward = 3 x forward): 2 per weight per token for the
     steps and the head, attention scores, and the hypernetwork's weight generation spread over the
-    tokens of one forward pass."""
+    tokens of one generation (a forward pass, or with weights once per step, a process's iteration)."""
     evals = mcfg.n_layer * len(SOLVERS[mcfg.solver]) if mcfg.is_ode else mcfg.n_layer
     # attention: q k^T and the weighted sum of v, 2 x 2 T C per token, counted causally (half of it): the
     # masked half is never computed by flash attention. PaLM's and nanoGPT's MFU count both halves.
@@ -443,7 +446,8 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
                                       env.device, cfg.seed, i) for i, split in enumerate(("train", "val"))}
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
     hyper_params = sum(p.numel() for p in raw.hyper.parameters()) if mcfg.model_type == "diffeq" else 0
-    flops_per_iter = flops_per_token(mcfg, hyper_params, cfg.batch_size * mcfg.block_size) * tokens_per_iter
+    per_generation = cfg.batch_size * mcfg.block_size * (accum if gen is not None else 1)  # tokens per weight generation
+    flops_per_iter = flops_per_token(mcfg, hyper_params, per_generation) * tokens_per_iter
     peak = runtime.peak_flops(env, cfg.peak_flops) * env.world_size
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     if env.master:

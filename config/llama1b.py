@@ -1,5 +1,11 @@
-# The ODE Llama-1B (SPEC 7): ~6.6B hypernetwork parameters, so AdamW state alone is ~106 GB: sharded
-# with FSDP2 over 8 GPUs. --model_type=baseline trains the Llama it is compared with.
+# The ODE Llama-1B (SPEC 7): 6.7B parameters, 6.5B of them in the hypernetwork, so AdamW state alone is
+# ~107 GB: sharded with FSDP2 over 8 GPUs, the weights W(t) generated once per optimizer step, each rank
+# its own columns (weightgen.py). The dry run plans ~41 GiB per 80 GB GPU with these settings (no change
+# was needed for the 60 GiB target once the weights are generated once per step: 16 GiB of it is
+# activations at ~62 B per token, width and step, 4.6 GiB logits); checkpoint=True cuts it to ~28 GiB
+# (activations 2.6 GiB) should the GPU's real figures (not measured here) come out higher.
+# --no-generate_once (the weights in every forward pass) plans ~69 GiB. --model_type=baseline trains the
+# Llama it is compared with.
 # torchrun --nproc_per_node=8 train.py config/llama1b.py
 # python train.py config/llama1b.py --dry_run --gpus=8      (the memory plan, no GPU needed)
 out_dir = "out-llama1b"
