@@ -44,6 +44,7 @@ class ScaleConfig:
     accum: int = 1  # micro-steps per iteration (step, comm)
     world: int = 2  # processes (comm, memory)
     shapes: str = ""  # memory: which of MEMORY_SHAPES (default: all)
+    adamw: str = "fused"  # step: "fused" (train.py's) or "default" (torch's default on CPU, a loop over tensors)
     models: str = "once"  # memory: any of once (the ODE, weights once per step), per_micro_step (the ODE as before), gpt
     probe: str = ""  # internal: the worker of one comm or memory measurement
 
@@ -154,9 +155,11 @@ def step(cfg, argv):
     for name, over in (("GPT", dict(model_type="baseline")), ("ODE", dict(model_type="diffeq"))):
         mcfg, tcfg = configs(args, model=over)
         runs[name] = setup_run(mcfg, tcfg, env)
+        for group in runs[name][3].param_groups:
+            group["fused"] = cfg.adamw == "fused"
     print(f"shape: {mcfg.n_layer} steps, width {mcfg.n_embd}, {mcfg.n_head} heads, d_t {mcfg.d_t}, vocabulary "
           f"{mcfg.vocab_size}, {tcfg.batch_size} x {mcfg.block_size} tokens per micro-step, {cfg.accum} micro-step(s) "
-          f"per iteration, {cfg.threads} thread(s), generate_once={tcfg.generate_once}")
+          f"per iteration, {cfg.threads} thread(s), generate_once={tcfg.generate_once}, {cfg.adamw} AdamW")
     params = {name: sum(p.numel() for p in r[2].parameters()) for name, r in runs.items()}
     print(f"parameters: GPT {params['GPT'] / 1e6:.1f}M, ODE {params['ODE'] / 1e6:.1f}M")
 
