@@ -62,7 +62,7 @@ class ModelConfig:
     d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (SPEC 3)
     time_freqs: int = 128  # S, the number of sinusoid frequencies in e(t)
     solver: str = "euler"  # default solver: "euler", "midpoint" or "rk4"
-    dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
+    dropout: float = 0.0  # on embeddings and residual branches (and, in the baselines, attention probabilities)
     init: str = "reference"  # "reference" (the authors', the paper's runs) or "gpt" (B_W like GPT's weights)
     checkpoint: bool = False  # recompute each vector-field evaluation in the backward pass
 
@@ -135,7 +135,9 @@ def attention(x, w, cfg, rope, dropout):
     q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # flash on CUDA
+    # attention-probability dropout only in the baselines (nanoGPT's): the reference ODE block has none (SPEC 3)
+    p = dropout if cfg.model_type == "baseline" else 0.0
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # flash on CUDA
     y = y.transpose(1, 2).reshape(B, T, C)
     return F.dropout(F.linear(y, *w["proj"]), dropout, dropout > 0)
 

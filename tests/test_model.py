@@ -257,6 +257,17 @@ def test_checkpointed_steps_give_same_loss_and_gradients(model_type):
         assert torch.allclose(ga[name], gb[name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("model_type,expected", [("diffeq", 0.0), ("shared", 0.0), ("baseline", 0.3)])
+def test_attention_probability_dropout_only_in_the_baselines(monkeypatch, model_type, expected):
+    """SPEC 3: the reference ODE block applies no dropout to the attention probabilities."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, dropout_p, **k: seen.append(dropout_p) or sdpa(*a, dropout_p=dropout_p, **k))
+    randomized(tiny(model_type=model_type, dropout=0.3)).train()(tokens())
+    assert set(seen) == {expected}
+
+
 def smooth_model():
     """float64 DiffEqFormer whose weights depend on t only through the `t` feature of e(t): the high
     sinusoid frequencies (up to 1000 rad per unit time) are cut, leaving a smooth field."""

@@ -162,6 +162,40 @@ def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["train_config"]["gradient_accumulation_steps"] == 4
 
 
+def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypatch, capsys):
+    from configurator import run_main
+
+    def buggy(argv):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(sys, "argv", ["x.py"])
+    with pytest.raises(ValueError, match="an internal bug"):
+        run_main(buggy)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(lambda argv: (_ for _ in ()).throw(UserError("bad input")))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == "error: bad input\n"
+
+
+def test_mfu_peaks(monkeypatch):
+    assert runtime.gpu_peak("NVIDIA H100 80GB HBM3") == 989e12 and runtime.gpu_peak("NVIDIA H100 PCIe") == 756e12
+    assert runtime.gpu_peak("NVIDIA L40S") == 362e12 and runtime.gpu_peak("NVIDIA L40") == 181e12
+    assert runtime.gpu_peak("Tesla V100-SXM2-16GB") is None  # no native bf16: measured in the run's dtype
+    env = runtime.Env(torch.device("cpu"), torch.float32)
+    assert runtime.peak_flops(env, given=3e11) == 3e11
+    sizes = []
+    real_matmul = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: sizes.append(a.shape) or real_matmul(a, b))
+    assert runtime.peak_flops(env) > 0 and set(sizes) == {(2048, 2048)}
+
+
+def test_startup_summary_is_a_few_readable_lines(tmp_path, shakespeare, capsys):
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1")
+    out = capsys.readouterr().out
+    assert "model     diffeq (gpt flavour), 0.07M parameters: 2 euler steps, width 32" in out
+    assert "training  1 iterations of 128 tokens (4 sequences x 1 micro-steps)" in out
+    assert "ModelConfig(" not in out and "TrainConfig(" not in out
+
+
 def test_weight_decay_groups():
     """SPEC 7: decay matrices and embeddings, never the hypernetwork (the reference), biases or gains."""
     model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8, d_t=4, time_freqs=4))
