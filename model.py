@@ -61,6 +61,7 @@ class ModelConfig:
     ffn_dim: int = 0  # hidden width of the feed-forward block; 0 means 4 * n_embd
     d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (SPEC 3)
     time_freqs: int = 128  # S, the number of sinusoid frequencies in e(t)
+    time_scale: float = 1000.0  # the frequency scale of e(t)'s sinusoids (the reference's 1000; smaller is smoother in t)
     solver: str = "euler"  # default solver: "euler", "midpoint" or "rk4"
     dropout: float = 0.0  # on embeddings and residual branches (and, in the baselines, attention probabilities)
     init: str = "reference"  # "reference" (the authors', the paper's runs) or "gpt" (B_W like GPT's weights)
@@ -82,6 +83,8 @@ class ModelConfig:
             problems.append(f"RoPE needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}")
         if self.n_layer > MAX_STEPS:
             problems.append(f"n_layer={self.n_layer} is more than {MAX_STEPS} steps")
+        if not self.time_scale > 0:
+            problems.append(f"time_scale={self.time_scale} must be positive")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
@@ -270,7 +273,7 @@ class HyperNetwork(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.time_embedding = TimeEmbedding(cfg.time_freqs)
+        self.time_embedding = TimeEmbedding(cfg.time_freqs, cfg.time_scale)
         self.ln_1, self.ln_2 = TimeDependentNorm(cfg), TimeDependentNorm(cfg)
         for name, (d_in, d_out, bias) in hyper_shapes(cfg).items():
             self.add_module(name, TimeDependentLinear(cfg, d_in, d_out, bias))
@@ -382,10 +385,14 @@ class DiffEqFormer(nn.Module):
         return n
 
     # -- the forward pass ------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None):
-        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or None."""
+    def forward(self, idx, targets=None, steps=None, solver=None, offsets=None):
+        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or None.
+        `offsets` (steps,) in [0, 1) move each Euler step's time back inside its step, t_k = (k + 1 -
+        offsets_k) / N: training at random times makes W(t) meaningful between the grid points."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
+        if offsets is not None and (not cfg.is_ode or solver != "euler" or offsets.shape != (steps,)):
+            raise ValueError(f"offsets need an ODE model, the euler solver and one offset per step ({steps})")
         B, T = idx.size()
         if T > cfg.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
@@ -395,7 +402,7 @@ class DiffEqFormer(nn.Module):
             x = x + self.wpe(torch.arange(T, device=idx.device))
         x = F.dropout(x, dropout, dropout > 0)
         rope = rope_tables(T, cfg.n_embd // cfg.n_head, idx.device, x.dtype) if cfg.flavor == "llama" else None
-        x = self.integrate(x, steps, solver, rope, dropout)
+        x = self.integrate(x, steps, solver, rope, dropout, offsets)
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.ln_f(x), head)
         loss = None
@@ -417,7 +424,7 @@ class DiffEqFormer(nn.Module):
                              f"the euler solver; materialize a diffeq model to change its depth")
         return steps, solver
 
-    def integrate(self, x, steps, solver, rope, dropout):
+    def integrate(self, x, steps, solver, rope, dropout, offsets=None):
         """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model."""
         cfg = self.cfg
         recompute = cfg.checkpoint and self.training
@@ -426,7 +433,7 @@ class DiffEqFormer(nn.Module):
                 x = checkpointed(layer)(x, cfg, rope, dropout) if recompute else layer(x, cfg, rope, dropout)
             return x
         f = checkpointed(vector_field) if recompute else vector_field
-        W = self.step_weights(steps, solver, x.device)  # the block weights at every stage time, in order
+        W = self.step_weights(steps, solver, x.device, offsets)  # the block weights at every stage time, in order
         h = 1.0 / steps
         for k in range(steps):
             if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
@@ -443,7 +450,7 @@ class DiffEqFormer(nn.Module):
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
-    def step_weights(self, steps, solver, device):
+    def step_weights(self, steps, solver, device, offsets=None):
         """The block weights at every stage time, [{name: (weight, bias)}, ...]: ONE hypernet call per
         forward, or the shared block at every time. In eval mode without autograd (and not compiling)
         they are cached, keyed by the parameters' version counters: an in-place update through an
@@ -452,7 +459,9 @@ class DiffEqFormer(nn.Module):
         if self.cfg.model_type == "shared":
             return [self.block.weights()] * (steps * len(SOLVERS[solver]))
         ts = stage_times(steps, solver, device, time_dtype(self.wte.weight.dtype))
-        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if offsets is not None:
+            ts = ts - offsets.to(ts) / steps
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or offsets is not None:
             return unbind_times(self.hyper(ts))
         params = tuple(self.hyper.parameters())
         key = (steps, solver, device, ts.dtype, torch.is_autocast_enabled(device.type),

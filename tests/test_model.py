@@ -268,6 +268,30 @@ def test_attention_probability_dropout_only_in_the_baselines(monkeypatch, model_
     assert set(seen) == {expected}
 
 
+def test_zero_offsets_and_the_reference_time_scale_change_nothing():
+    model = randomized(tiny()).train()
+    same = randomized(tiny(time_scale=1000.0)).train()
+    idx = tokens()
+    torch.manual_seed(0)
+    plain, _ = model(idx)
+    torch.manual_seed(0)
+    zero, _ = model(idx, offsets=torch.zeros(3))
+    assert torch.equal(plain, zero) and torch.equal(plain, same(idx)[0])
+    smoother = randomized(tiny(time_scale=10.0))
+    assert (smoother(idx)[0] - plain).abs().max() > 1e-3
+
+
+def test_offsets_move_each_euler_step_back_inside_its_step():
+    """offsets_k in [0, 1): step k uses W((k + 1 - offsets_k) / N)."""
+    model = randomized(tiny())
+    offsets = torch.tensor([0.5, 0.0, 0.25])
+    w = model.step_weights(3, "euler", torch.device("cpu"), offsets)
+    for k, t in enumerate((0.5 / 3, 2 / 3, 2.75 / 3)):
+        assert torch.allclose(w[k]["fc"][0], model.hyper(torch.tensor([t]))["fc"][0][0], atol=1e-6)
+    with pytest.raises(ValueError, match="one offset per step"):
+        model(tokens(), steps=3, offsets=torch.zeros(2))
+
+
 def smooth_model():
     """float64 DiffEqFormer whose weights depend on t only through the `t` feature of e(t): the high
     sinusoid frequencies (up to 1000 rad per unit time) are cut, leaving a smooth field."""
