@@ -11,6 +11,7 @@ is complete; older folders are removed after that.
 import hashlib
 import os
 import pickle
+import re
 import shutil
 import zipfile
 
@@ -160,7 +161,7 @@ def lock(out_dir):
     f.write(f"pid {os.getpid()}")
     f.flush()
     for name in os.listdir(out_dir):
-        if ".tmp" in name:
+        if re.search(r"\.tmp\d*$", name):  # what save(), trim_log and convert_sharded write before renaming
             os.remove(os.path.join(out_dir, name))
     sharded = os.path.join(out_dir, "ckpt_sharded")
     if os.path.isdir(sharded):

@@ -135,11 +135,12 @@ def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(t
         for it in (4, 5, 6):
             f.write(json.dumps(dict(iter=it, loss=9.9)) + "\n")
     (tmp_path / "out" / "ckpt.pt.tmp4242").write_bytes(b"half a checkpoint")
+    (tmp_path / "out" / "notes.tmpl").write_text("the user's own file")
     train.main([*args, "--init_from=resume"])
     rows = [json.loads(line) for line in open(log)]
     assert sorted(r["iter"] for r in rows if "loss" in r) == list(range(8)) and 9.9 not in [r.get("loss") for r in rows]
     assert [r["iter"] for r in rows if "val_loss" in r] == [0, 4, 8]
-    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "ckpt.pt", "log.jsonl", "loss.png"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "ckpt.pt", "log.jsonl", "loss.png", "notes.tmpl"]
 
 
 def test_resume_from_a_file_without_optimizer_state_starts_a_fresh_optimizer(tmp_path, shakespeare, capsys):
