@@ -62,8 +62,9 @@ class ModelConfig:
     ffn_dim: int = 0  # hidden width of the feed-forward block; 0 means 4 * n_embd
     d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (SPEC 3)
     time_freqs: int = 128  # S, the number of sinusoid frequencies in e(t)
+    time_scale: float = 1000.0  # the frequency scale of e(t)'s sinusoids (the reference's 1000; smaller is smoother in t)
     solver: str = "euler"  # default solver: "euler", "midpoint" or "rk4"
-    dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
+    dropout: float = 0.0  # on embeddings and residual branches (and, in the baselines, attention probabilities)
     init: str = "reference"  # "reference" (the authors', the paper's runs) or "gpt" (B_W like GPT's weights)
     checkpoint: bool = False  # recompute each vector-field evaluation in the backward pass
 
@@ -83,6 +84,8 @@ class ModelConfig:
             problems.append(f"RoPE needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}")
         if self.n_layer > MAX_STEPS:
             problems.append(f"n_layer={self.n_layer} is more than {MAX_STEPS} steps")
+        if not self.time_scale > 0:
+            problems.append(f"time_scale={self.time_scale} must be positive")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
@@ -136,7 +139,9 @@ def attention(x, w, cfg, rope, dropout):
     q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # flash on CUDA
+    # attention-probability dropout only in the baselines (nanoGPT's): the reference ODE block has none (SPEC 3)
+    p = dropout if cfg.model_type == "baseline" else 0.0
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # flash on CUDA
     y = y.transpose(1, 2).reshape(B, T, C)
     return F.dropout(F.linear(y, *w["proj"]), dropout, dropout > 0)
 
@@ -278,7 +283,7 @@ class HyperNetwork(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.time_embedding = TimeEmbedding(cfg.time_freqs)
+        self.time_embedding = TimeEmbedding(cfg.time_freqs, cfg.time_scale)
         self.ln_1, self.ln_2 = TimeDependentNorm(cfg), TimeDependentNorm(cfg)
         for name, (d_in, d_out, bias) in hyper_shapes(cfg).items():
             self.add_module(name, TimeDependentLinear(cfg, d_in, d_out, bias))
@@ -439,12 +444,16 @@ class DiffEqFormer(nn.Module):
         return n
 
     # -- the forward pass ------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None, weights=None):
+    def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None):
         """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or None.
-        weights: the block weights at every stage time, as step_weights returns them, to use instead of
-        generating them here (train.py generates them once per optimizer step: weightgen.py)."""
+        `offsets` (steps,) in [0, 1) move each Euler step's time back inside its step, t_k = (k + 1 -
+        offsets_k) / N: training at random times makes W(t) meaningful between the grid points.
+        `weights`: the block weights at every stage time, as step_weights returns them (offsets included),
+        to use instead of generating them here (train.py generates them once per optimizer step: weightgen.py)."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
+        if offsets is not None and (not cfg.is_ode or solver != "euler" or offsets.shape != (steps,)):
+            raise ValueError(f"offsets need an ODE model, the euler solver and one offset per step ({steps})")
         B, T = idx.size()
         if T > cfg.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
@@ -454,7 +463,7 @@ class DiffEqFormer(nn.Module):
             x = x + self.wpe(torch.arange(T, device=idx.device))
         x = F.dropout(x, dropout, dropout > 0)
         rope = rope_tables(T, cfg.n_embd // cfg.n_head, idx.device, x.dtype) if cfg.flavor == "llama" else None
-        x = self.integrate(x, steps, solver, rope, dropout, weights)
+        x = self.integrate(x, steps, solver, rope, dropout, offsets, weights)
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.ln_f(x), head)
         loss = None
@@ -476,19 +485,22 @@ class DiffEqFormer(nn.Module):
                              f"the euler solver; materialize a diffeq model to change its depth")
         return steps, solver
 
-    def integrate(self, x, steps, solver, rope, dropout, weights=None):
+    def integrate(self, x, steps, solver, rope, dropout, offsets=None, weights=None):
         """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model."""
         cfg = self.cfg
         recompute = cfg.checkpoint and self.training
-        if weights is not None and (not cfg.is_ode or len(weights) != steps * len(SOLVERS[solver])):
-            raise ValueError(f"weights for {len(weights)} stage times given; {steps} {solver} steps of a "
-                             f"{cfg.model_type} model need {steps * len(SOLVERS[solver]) if cfg.is_ode else 'none'}")
+        if weights is not None and (not cfg.is_ode or offsets is not None or len(weights) != steps * len(SOLVERS[solver])):
+            raise ValueError(f"weights for {len(weights)} stage times given; {steps} {solver} steps of a {cfg.model_type} "
+                             f"model need {steps * len(SOLVERS[solver]) if cfg.is_ode else 'none'} (offsets go into the weights)")
         if not cfg.is_ode:
             for layer in self.layers:
                 x = checkpointed(layer)(x, cfg, rope, dropout) if recompute else layer(x, cfg, rope, dropout)
             return x
         f = checkpointed(vector_field) if recompute else vector_field
-        W = self.step_weights(steps, solver, x.device) if weights is None else weights  # at every stage time, in order
+        if weights is None:  # the block weights at every stage time, in order
+            W = self.step_weights(steps, solver, x.device, offsets)
+        else:
+            W = weights
         h = 1.0 / steps
         for k in range(steps):
             if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
@@ -505,7 +517,7 @@ class DiffEqFormer(nn.Module):
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
-    def step_weights(self, steps, solver, device):
+    def step_weights(self, steps, solver, device, offsets=None):
         """The block weights at every stage time, [{name: (weight, bias)}, ...]: ONE hypernet call per
         forward, or the shared block at every time. In eval mode without autograd (and not compiling)
         they are cached, keyed by the parameters' version counters: an in-place update through an
@@ -514,7 +526,9 @@ class DiffEqFormer(nn.Module):
         if self.cfg.model_type == "shared":
             return [self.block.weights()] * (steps * len(SOLVERS[solver]))
         ts = stage_times(steps, solver, device, time_dtype(self.wte.weight.dtype))
-        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if offsets is not None:
+            ts = ts - offsets.to(ts) / steps
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or offsets is not None:
             return unbind_times(self.hyper(ts))
         params = tuple(self.hyper.parameters())
         key = (steps, solver, device, ts.dtype, torch.is_autocast_enabled(device.type),

@@ -100,17 +100,19 @@ GPU_PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), 
                  ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12))
 
 
+def gpu_peak(name):
+    """The dense bf16 peak of a GPU by its name, or None for one not in GPU_PEAK_BF16."""
+    return next((flops for key, flops in GPU_PEAK_BF16 if key in name), None)
+
+
 def peak_flops(env, given=0.0):
     """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
     when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU) or 8192^2
     (GPU) matmul in the run's dtype over half a second, with the run's threads."""
     if given > 0:
         return given
-    if env.device.type == "cuda" and env.dtype == torch.bfloat16:
-        name = torch.cuda.get_device_name(env.device)
-        for key, flops in GPU_PEAK_BF16:
-            if key in name:
-                return flops
+    if env.device.type == "cuda" and env.dtype == torch.bfloat16 and gpu_peak(torch.cuda.get_device_name(env.device)):
+        return gpu_peak(torch.cuda.get_device_name(env.device))
     n = 8192 if env.device.type == "cuda" else 2048
     a = torch.randn(n, n, device=env.device, dtype=env.dtype)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)

@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -35,7 +36,7 @@ import prepare
 import runtime
 import weightgen
 from configurator import ConfigError, UserError, parse_config, run_main
-from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
+from model import MAX_STEPS, SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
 EVAL_ITERATION = 2 ** 31  # the batches of every evaluation are those of this (never trained) iteration
@@ -81,10 +82,15 @@ class TrainConfig:
     gpus: int = 0  # processes to plan for in a dry run (0: the torchrun world size)
     gpu_memory_gb: float = 80.0  # memory per GPU that a dry run plans against
     stop_at: int = 0  # checkpoint and stop after this iteration, schedule unchanged (0: run to max_iters)
+    # any-depth training of an ODE (README, "Any depth"): the step count and times drawn per iteration
+    train_steps: str = ""  # ODE step counts to train with, a range "3-9" drawn per iteration ("": n_layer)
+    time_jitter: bool = False  # train each Euler step at a random time within the step, not at its end
     peak_flops: float = 0.0  # peak FLOP/s of one device for the MFU figure (0: a known GPU's, else measured)
     convert: str = ""  # a sharded checkpoint folder: write the single-file ckpt.pt beside it, and stop
 
     def __post_init__(self):
+        if self.train_steps:
+            step_range(self.train_steps)
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"parallel={self.parallel!r}: use ddp or fsdp")
         for name in ("max_iters", "batch_size", "gradient_accumulation_steps", "eval_iters", "eval_interval", "log_interval"):
@@ -123,11 +129,12 @@ def block_params(mcfg):
     return sum(i * o + (o if b else 0) for i, o, b in block_shapes(mcfg).values()) + 4 * mcfg.n_embd
 
 
-def flops_per_token(mcfg, hyper_params, tokens_per_forward):
+def flops_per_token(mcfg, hyper_params, tokens_per_forward, steps=None):
     """Training FLOPs per token (forward + backward = 3 x forward): 2 per weight per token for the
     steps and the head, attention scores, and the hypernetwork's weight generation spread over the
     tokens of one generation (a forward pass, or with weights once per step, a process's iteration)."""
-    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver]) if mcfg.is_ode else mcfg.n_layer
+    steps = steps or mcfg.n_layer
+    evals = steps * len(SOLVERS[mcfg.solver]) if mcfg.is_ode else mcfg.n_layer
     # attention: q k^T and the weighted sum of v, 2 x 2 T C per token, counted causally (half of it): the
     # masked half is never computed by flash attention. PaLM's and nanoGPT's MFU count both halves.
     forward = 2 * (evals * block_params(mcfg) + mcfg.n_embd * mcfg.vocab_size) + 2 * evals * mcfg.block_size * mcfg.n_embd
@@ -148,10 +155,10 @@ def activation_bytes(mcfg, dtype, device_type):
         n += b * (2 * C + 3 * C + C + 2 * H)  # the normed inputs, q k v, the attention output; fc and GELU outputs
     if mcfg.model_type == "baseline":
         n += r * C  # the sequential block's state between attention and MLP
-    if mcfg.dropout > 0:  # masks after attention and MLP: bool on CUDA, float on CPU, where attention with
-        n += 2 * C * (1 if device_type == "cuda" else 4)  # dropout has no fused kernel and keeps three
-        if device_type != "cuda":  # (T, T) matrices per head and copies of q, k, v
-            n += 4 * (3 * mcfg.n_head * mcfg.block_size + 3 * C)
+    if mcfg.dropout > 0:  # masks after attention and MLP: bool on CUDA, float on CPU, where a baseline's
+        n += 2 * C * (1 if device_type == "cuda" else 4)  # attention-probability dropout has no fused kernel
+        if device_type != "cuda" and mcfg.model_type == "baseline":  # and keeps three (T, T) matrices per
+            n += 4 * (3 * mcfg.n_head * mcfg.block_size + 3 * C)  # head and copies of q, k, v
     return n
 
 
@@ -181,7 +188,8 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     share = world if sharded else 1
     once = diffeq and cfg.generate_once
     accum = -(-cfg.gradient_accumulation_steps // world)  # micro-steps per process
-    evals = mcfg.n_layer * len(SOLVERS[mcfg.solver])
+    steps = step_range(cfg.train_steps)[1] if cfg.train_steps and mcfg.is_ode else mcfg.n_layer  # the most drawn
+    evals = steps * len(SOLVERS[mcfg.solver])
     B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
     generated = weightgen.generated_numel(model) * evals if diffeq else 0  # entries of W(t_k) for every k
     autocast = dtype != torch.float32
@@ -372,15 +380,16 @@ def restore(model, raw, optimizer, ckpt, cfg, env):
 # -- evaluation and the loop ----------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(model, batches, cfg, env, gen=None):
+def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
     """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation),
-    divided among the processes. Every process runs the same number of forward passes (FSDP's
-    collectives must pair up); the passes past eval_iters count with weight 0. With a WeightGenerator
-    the ODE's weights are generated once for the whole evaluation."""
+    divided among the processes, with the model's default or the given ODE steps and solver. Every
+    process runs the same number of forward passes (FSDP's collectives must pair up); the passes
+    past eval_iters count with weight 0. With a WeightGenerator (gen) the ODE's weights are generated
+    once for the whole evaluation."""
     model.eval()
     weights = None
     if gen is not None:
-        gen.generate(grad=False)
+        gen.generate(steps, solver, grad=False)
         weights = gen.weights()
     out = {}
     for split, data in batches.items():
@@ -389,7 +398,7 @@ def evaluate(model, batches, cfg, env, gen=None):
             i = j * env.world_size + env.rank
             x, y = data.get(EVAL_ITERATION, i % cfg.eval_iters)
             with env.autocast():
-                _, loss = model(x, y, weights=weights)
+                _, loss = model(x, y, steps=steps, solver=solver, weights=weights)
             total += float(i < cfg.eval_iters) * torch.stack((loss.float(), torch.ones((), device=env.device)))
         if env.distributed:
             dist.all_reduce(total)
@@ -447,7 +456,6 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
     hyper_params = sum(p.numel() for p in raw.hyper.parameters()) if mcfg.model_type == "diffeq" else 0
     per_generation = cfg.batch_size * mcfg.block_size * (accum if gen is not None else 1)  # tokens per weight generation
-    flops_per_iter = flops_per_token(mcfg, hyper_params, per_generation) * tokens_per_iter
     peak = runtime.peak_flops(env, cfg.peak_flops) * env.world_size
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     if env.master:
@@ -471,7 +479,7 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
                disable=not env.master, dynamic_ncols=True, desc="train")
     for it in bar:
         if (it % cfg.eval_interval == 0 or it == end) and (it > start_iter or start_iter == 0):  # a resumed run evaluated it
-            losses = evaluate(model, batches, cfg, env, gen)
+            losses = evaluate(model, batches, cfg, env, gen=gen)
             row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"], val_ppl=math.exp(min(losses["val"], 50)))
             history.append(row)
             log(row)
@@ -489,14 +497,14 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
         lr = learning_rate(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        total = train_step(model, raw, optimizer, gen, batches["train"], it, accum, cfg, env)
+        total, steps = train_step(model, raw, optimizer, gen, batches["train"], it, accum, cfg, env)
         if env.distributed:
             dist.all_reduce(total)
             total /= env.world_size
         total = total.item()
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
-        mfu = flops_per_iter / dt / peak
+        mfu = flops_per_token(mcfg, hyper_params, per_generation, steps) * tokens_per_iter / dt / peak
         bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.1e}")
         if it % cfg.log_interval == 0:
             log(dict(iter=it, loss=total, lr=lr, tok_s=tok_s, mfu=mfu))
@@ -507,20 +515,25 @@ def fit(model, raw, cfg, env, data, extra, start_iter=0, best_val_loss=float("in
 
 
 def train_step(model, raw, optimizer, gen, batches, it, accum, cfg, env):
-    """One optimizer step over `accum` micro-steps of this process; returns its mean loss (a tensor).
-    Dropout masks come from an RNG seeded by (seed, iteration, rank), so a resumed run repeats them. With
-    a WeightGenerator (gen), the ODE's weights are generated once, before the micro-steps, and their
-    gradients pulled back into the hypernetwork once, after them (weightgen.py)."""
+    """One optimizer step over `accum` micro-steps of this process; returns its mean loss (a tensor) and
+    the ODE step count it trained with. Dropout masks come from an RNG seeded by (seed, iteration, rank),
+    so a resumed run repeats them. With a WeightGenerator (gen), the ODE's weights are generated once,
+    before the micro-steps, and their gradients pulled back into the hypernetwork once, after them
+    (weightgen.py)."""
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
+    steps, offsets = iteration_steps(it, cfg, raw.cfg)
     if gen is not None:
-        gen.generate()
+        gen.generate(steps, offsets=offsets)
     total = torch.zeros((), device=env.device)
     for micro in range(accum):
         last = micro == accum - 1
         x, y = batches.get(it, micro * env.world_size + env.rank)
         with sync(model, last, cfg, env):
             with env.autocast():
-                _, loss = model(x, y, weights=gen.weights() if gen is not None else None)
+                if gen is not None:
+                    _, loss = model(x, y, steps=steps, weights=gen.weights())
+                else:
+                    _, loss = model(x, y, steps=steps, offsets=offsets)
             (loss / accum).backward()
         total += loss.detach() / accum
     if gen is not None:
@@ -529,7 +542,31 @@ def train_step(model, raw, optimizer, gen, batches, it, accum, cfg, env):
         torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return total, steps
+
+
+def step_range(text):
+    """"3-9" -> (3, 9), "6" -> (6, 6): the train_steps option."""
+    lo, _, hi = text.partition("-")
+    if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo) <= MAX_STEPS):
+        raise ValueError(f"train_steps={text!r}: use a step count or a range like 3-9 within 1..{MAX_STEPS}")
+    return int(lo), int(hi or lo)
+
+
+def iteration_steps(it, cfg, mcfg):
+    """The ODE step count and Euler time offsets of iteration `it`: n_layer and None, or drawn from an
+    RNG seeded by (seed, iteration), the same on every rank, so that a resumed run draws the same."""
+    if not cfg.train_steps and not cfg.time_jitter:
+        return mcfg.n_layer, None
+    rng = np.random.default_rng([cfg.seed, it, 11])
+    lo, hi = step_range(cfg.train_steps or str(mcfg.n_layer))
+    steps = int(rng.integers(lo, hi + 1))
+    return steps, (torch.from_numpy(rng.random(steps)) if cfg.time_jitter else None)
+
+
+def check_any_depth(mcfg, cfg):
+    if (cfg.train_steps or cfg.time_jitter) and not mcfg.is_ode:
+        raise ConfigError(f"--train_steps and --time_jitter train an ODE; a {mcfg.model_type} model has fixed layers")
 
 
 def sync(model, last, cfg, env):
@@ -629,12 +666,14 @@ def main(argv):
         print(f"wrote {dst}")
         return
     cfg = check_launch(cfg)
+    check_any_depth(mcfg, cfg)
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None
     try:
         lock = runtime.on_master(env, lambda: checkpoints.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         data = prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
+        check_any_depth(mcfg, cfg)  # again: the model type may come from a checkpoint
         # refuse a plan that cannot fit before an out-of-memory traceback (or the kernel's OOM killer) does
         dry_run(mcfg, dataclasses.replace(cfg, gpu_memory_gb=device_memory_gib(env), gpus=env.world_size), env.world_size,
                 dtype=env.dtype, device_type=env.device.type, verbose=False)

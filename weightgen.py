@@ -84,11 +84,16 @@ class WeightGenerator:
                                   stride=(columns, 1)).full_tensor()
 
     # -- once per iteration ----------------------------------------------------------------------------
-    def generate(self, steps=None, solver=None, grad=True):
-        """W(t) at every stage time of `steps` steps of `solver` (the model's by default). With grad, as
-        leaves that collect dL/dW for backward(); without (evaluation), as plain tensors."""
+    def generate(self, steps=None, solver=None, offsets=None, grad=True):
+        """W(t) at every stage time of `steps` steps of `solver` (the model's by default), Euler's times moved
+        back by `offsets` (steps,) as in DiffEqFormer.forward. With grad, as leaves that collect dL/dW for
+        backward(); without (evaluation), as plain tensors."""
         steps, solver = self.model.check_steps(steps, solver)
         ts = stage_times(steps, solver, self.device, time_dtype(self.param_dtype))
+        if offsets is not None:
+            if solver != "euler" or offsets.shape != (steps,):
+                raise ValueError(f"offsets need the euler solver and one offset per step ({steps})")
+            ts = ts - offsets.to(ts) / steps
         self.release()
         self.generated = {}
         with torch.set_grad_enabled(grad):

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,20 +19,30 @@ from conftest import ROOT, TINY
 
 
 @pytest.mark.parametrize("content,message", [
-    (None, "does not exist"),
-    (b"", "is empty (0 bytes)"),
-    (os.urandom(4096), "is not a PyTorch checkpoint this project can read"),
+    ("missing", "does not exist"),
+    ("empty", "is empty (0 bytes)"),
+    ("random", "is not a PyTorch checkpoint this project can read"),
+    ("pickled code", "is not a PyTorch checkpoint this project can read"),
     ("adapters", "holds a lora-adapters checkpoint, not a diffeqformer-model checkpoint"),
 ])
 def test_bad_checkpoint_files_are_one_line_without_unsafe_advice(tmp_path, content, message):
     path = tmp_path / "ckpt.pt"
     if content == "adapters":
         torch.save({"kind": "lora-adapters"}, path)
-    elif content is not None:
-        path.write_bytes(content)
-    with pytest.raises(UserError) as e:
-        checkpoints.load(str(path))
-    assert message in str(e.value) and "\n" not in str(e.value) and "weights_only" not in str(e.value)
+    elif content == "pickled code":
+        torch.save({"kind": checkpoints.MODEL, "hook": print}, path)  # weights_only refuses to run it
+    elif content == "empty":
+        path.write_bytes(b"")
+    if content != "random":
+        with pytest.raises(UserError) as e:
+            checkpoints.load(str(path))
+        assert message in str(e.value) and "\n" not in str(e.value) and "weights_only" not in str(e.value)
+        return
+    rng = np.random.default_rng(0)
+    for _ in range(100):  # garbage fails inside the unpickler in many ways: every one is the same one line
+        path.write_bytes(rng.bytes(int(rng.integers(1, 4096))))
+        with pytest.raises(UserError, match=message):
+            checkpoints.load(str(path))
 
 
 def test_clean_state_dict_strips_only_leading_wrapper_prefixes():
@@ -135,11 +146,12 @@ def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(t
         for it in (4, 5, 6):
             f.write(json.dumps(dict(iter=it, loss=9.9)) + "\n")
     (tmp_path / "out" / "ckpt.pt.tmp4242").write_bytes(b"half a checkpoint")
+    (tmp_path / "out" / "notes.tmpl").write_text("the user's own file")
     train.main([*args, "--init_from=resume"])
     rows = [json.loads(line) for line in open(log)]
     assert sorted(r["iter"] for r in rows if "loss" in r) == list(range(8)) and 9.9 not in [r.get("loss") for r in rows]
     assert [r["iter"] for r in rows if "val_loss" in r] == [0, 4, 8]
-    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "ckpt.pt", "log.jsonl", "loss.png"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "ckpt.pt", "log.jsonl", "loss.png", "notes.tmpl"]
 
 
 def test_resume_from_a_file_without_optimizer_state_starts_a_fresh_optimizer(tmp_path, shakespeare, capsys):

@@ -1,6 +1,5 @@
 """finetune.py: materialise + LoRA is exact at init, trains only adapters, merges, and runs end to end."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -98,6 +97,13 @@ def test_baseline_refuses_other_depths(tmp_path):
     assert same.cfg.n_layer == 3
 
 
+def pretrain(tmp_path, shakespeare, *args):
+    """A tiny 2-step ODE, one iteration on Shakespeare: tmp_path/pre/ckpt.pt."""
+    train.main(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}",
+                f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'pre'}", *args])
+
+
 def script(*args):
     return subprocess.run([sys.executable, "finetune.py", *args], cwd=ROOT, capture_output=True, text=True)
 
@@ -146,9 +152,7 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare):
 def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
     """Two processes fine-tune the adapters of a frozen model (DDP must not expect frozen gradients)."""
     data = f"--data_root={tmp_path / 'data'}"
-    train.main(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
-                "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}", data,
-                f"--out_dir={tmp_path / 'pre'}"])
+    pretrain(tmp_path, shakespeare)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "finetune.py",
            "--steps", "3", "--lora", f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", data, f"--input_file={shakespeare}",
            "--dataset=target", "--max_iters=3", "--eval_interval=3", "--eval_iters=2", "--batch_size=4",
@@ -167,9 +171,7 @@ def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
 def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakespeare, lora):
     """--init_from=resume takes base, steps and LoRA-or-full from the run, whatever the command line says."""
     data = f"--data_root={tmp_path / 'data'}"
-    train.main(["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
-                "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}", data,
-                f"--out_dir={tmp_path / 'pre'}"])
+    pretrain(tmp_path, shakespeare)
     common = ["--steps", "3", "--lora_dropout=0.1", "--dropout=0.1", data, f"--input_file={shakespeare}",
               "--dataset=target", "--max_iters=8", "--eval_interval=4", "--eval_iters=2", "--batch_size=4", "--log_interval=1"]
     start = [f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", "--lora" if lora else "--no-lora"]
@@ -199,17 +201,14 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
     """Adapters and runs record their base's sha256: after the base is retrained in place, merging or
     resuming is refused; the original base, kept elsewhere, is accepted with --merge_base."""
     data = f"--data_root={tmp_path / 'data'}"
-    pretrain = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
-                "--max_iters=1", "--eval_interval=1", "--eval_iters=2", f"--input_file={shakespeare}", data,
-                f"--out_dir={tmp_path / 'pre'}"]
-    train.main(pretrain)
+    pretrain(tmp_path, shakespeare)
     base, original = tmp_path / "pre" / "ckpt.pt", tmp_path / "original.pt"
     shutil.copy(base, original)
     target = [data, f"--input_file={shakespeare}", "--dataset=target", "--eval_iters=2", "--batch_size=4",
               f"--out_dir={tmp_path / 'ft'}"]
     finetune.main(["--steps", "3", f"--init_from={base}", "--max_iters=2", "--eval_interval=2", *target])
     adapters = str(tmp_path / "ft" / "adapters.pt")
-    train.main([*pretrain, "--seed=7"])  # the base retrained in place: another model at the same path
+    pretrain(tmp_path, shakespeare, "--seed=7")  # the base retrained in place: another model at the same path
     with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
         finetune.main(["--merge", adapters])
     with pytest.raises(UserError, match="has changed since this fine-tuning run started"):

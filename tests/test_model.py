@@ -257,6 +257,41 @@ def test_checkpointed_steps_give_same_loss_and_gradients(model_type):
         assert torch.allclose(ga[name], gb[name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("model_type,expected", [("diffeq", 0.0), ("shared", 0.0), ("baseline", 0.3)])
+def test_attention_probability_dropout_only_in_the_baselines(monkeypatch, model_type, expected):
+    """SPEC 3: the reference ODE block applies no dropout to the attention probabilities."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, dropout_p, **k: seen.append(dropout_p) or sdpa(*a, dropout_p=dropout_p, **k))
+    randomized(tiny(model_type=model_type, dropout=0.3)).train()(tokens())
+    assert set(seen) == {expected}
+
+
+def test_zero_offsets_and_the_reference_time_scale_change_nothing():
+    model = randomized(tiny()).train()
+    same = randomized(tiny(time_scale=1000.0)).train()
+    idx = tokens()
+    torch.manual_seed(0)
+    plain, _ = model(idx)
+    torch.manual_seed(0)
+    zero, _ = model(idx, offsets=torch.zeros(3))
+    assert torch.equal(plain, zero) and torch.equal(plain, same(idx)[0])
+    smoother = randomized(tiny(time_scale=10.0))
+    assert (smoother(idx)[0] - plain).abs().max() > 1e-3
+
+
+def test_offsets_move_each_euler_step_back_inside_its_step():
+    """offsets_k in [0, 1): step k uses W((k + 1 - offsets_k) / N)."""
+    model = randomized(tiny())
+    offsets = torch.tensor([0.5, 0.0, 0.25])
+    w = model.step_weights(3, "euler", torch.device("cpu"), offsets)
+    for k, t in enumerate((0.5 / 3, 2 / 3, 2.75 / 3)):
+        assert torch.allclose(w[k]["fc"][0], model.hyper(torch.tensor([t]))["fc"][0][0], atol=1e-6)
+    with pytest.raises(ValueError, match="one offset per step"):
+        model(tokens(), steps=3, offsets=torch.zeros(2))
+
+
 def smooth_model():
     """float64 DiffEqFormer whose weights depend on t only through the `t` feature of e(t): the high
     sinusoid frequencies (up to 1000 rad per unit time) are cut, leaving a smooth field."""

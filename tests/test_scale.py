@@ -82,6 +82,44 @@ def test_weights_once_per_step_give_the_plain_gradients(flavor, solver, dtype, t
     assert_close_grads({n: p.grad for n, p in model.named_parameters()}, want, tol)
 
 
+def test_weights_once_per_step_at_drawn_times_give_the_plain_gradients():
+    """Any-depth training draws the step count and Euler's time offsets per iteration: the generator
+    takes the same ones."""
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**TINY)).double()
+    perturb(model)
+    x = micro_batches(1, TINY["vocab_size"])[0]
+    offsets = torch.rand(5, dtype=torch.float64)
+    _, loss = model(x, x, steps=5, offsets=offsets)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    gen = weightgen.WeightGenerator(model)
+    gen.generate(5, offsets=offsets)
+    _, again = model(x, x, steps=5, weights=gen.weights())
+    again.backward()
+    gen.backward()
+    assert again.item() == loss.item()
+    assert_close_grads({n: p.grad for n, p in model.named_parameters()}, want, 1e-12)
+
+
+def test_training_runs_the_same_with_weights_once_or_in_every_forward(tmp_path, shakespeare):
+    """fit() end to end, one process, 3 micro-steps, drawn step counts and times, dropout: the same losses."""
+    args = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4", "--batch_size=2",
+            "--eval_iters=2", "--log_interval=1", "--max_iters=4", "--eval_interval=4", "--dataset=shakespeare",
+            "--gradient_accumulation_steps=3", "--dropout=0.1", "--train_steps=2-5", "--time_jitter",
+            f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}"]
+    runs = {}
+    for flag in ("--generate_once", "--no-generate_once"):
+        train.main([*args, flag, f"--out_dir={tmp_path / flag}"])
+        runs[flag] = [json.loads(line) for line in open(tmp_path / flag / "log.jsonl")]
+    once, every = runs.values()
+    assert [r["iter"] for r in once] == [r["iter"] for r in every]
+    for a, b in zip(once, every):
+        for key in set(a) & {"loss", "val_loss"}:
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a, b)
+
+
 def test_generated_weights_are_leaves_in_the_compute_dtype_with_fp32_gradients():
     """The CPU twin of bf16 compute: weights used in bf16, dL/dW accumulated in fp32, gradients close."""
     torch.manual_seed(0)

@@ -162,6 +162,40 @@ def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["train_config"]["gradient_accumulation_steps"] == 4
 
 
+def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypatch, capsys):
+    from configurator import run_main
+
+    def buggy(argv):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(sys, "argv", ["x.py"])
+    with pytest.raises(ValueError, match="an internal bug"):
+        run_main(buggy)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(lambda argv: (_ for _ in ()).throw(UserError("bad input")))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == "error: bad input\n"
+
+
+def test_mfu_peaks(monkeypatch):
+    assert runtime.gpu_peak("NVIDIA H100 80GB HBM3") == 989e12 and runtime.gpu_peak("NVIDIA H100 PCIe") == 756e12
+    assert runtime.gpu_peak("NVIDIA L40S") == 362e12 and runtime.gpu_peak("NVIDIA L40") == 181e12
+    assert runtime.gpu_peak("Tesla V100-SXM2-16GB") is None  # no native bf16: measured in the run's dtype
+    env = runtime.Env(torch.device("cpu"), torch.float32)
+    assert runtime.peak_flops(env, given=3e11) == 3e11
+    sizes = []
+    real_matmul = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: sizes.append(a.shape) or real_matmul(a, b))
+    assert runtime.peak_flops(env) > 0 and set(sizes) == {(2048, 2048)}
+
+
+def test_startup_summary_is_a_few_readable_lines(tmp_path, shakespeare, capsys):
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1")
+    out = capsys.readouterr().out
+    assert "model     diffeq (gpt flavour), 0.07M parameters: 2 euler steps, width 32" in out
+    assert "training  1 iterations of 128 tokens (4 sequences x 1 micro-steps)" in out
+    assert "ModelConfig(" not in out and "TrainConfig(" not in out
+
+
 def test_weight_decay_groups():
     """SPEC 7: decay matrices and embeddings, never the hypernetwork (the reference), biases or gains."""
     model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8, d_t=4, time_freqs=4))
@@ -232,3 +266,47 @@ def test_a_failing_rank_stops_every_rank(tmp_path):
     assert done.returncode != 0
     assert f"error: input file {tmp_path / 'missing.txt'} does not exist" in done.stderr
     assert "error: rank 0 could not prepare the data" in done.stderr
+
+
+# -- any-depth training (README, "Any depth") ---------------------------------------------------------
+
+def test_any_depth_draws_are_reproducible_and_resume_exactly(tmp_path, shakespeare):
+    cfg = train.TrainConfig(train_steps="2-5", time_jitter=True, seed=3)
+    mcfg = ModelConfig(n_layer=4, n_embd=8, n_head=1, vocab_size=8, block_size=4, d_t=2, time_freqs=2)
+    draws = [train.iteration_steps(it, cfg, mcfg) for it in range(40)]
+    again = [train.iteration_steps(it, cfg, mcfg) for it in range(40)]
+    assert {n for n, _ in draws} == {2, 3, 4, 5}  # the whole range, and nothing else
+    assert all(n == m and torch.equal(a, b) and len(a) == n for (n, a), (m, b) in zip(draws, again))
+    assert all(0 <= a.min() and a.max() < 1 for _, a in draws)
+    assert train.iteration_steps(0, train.TrainConfig(), mcfg) == (4, None)  # the default: n_layer, no offsets
+    common = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=4", "--dropout=0.1",
+              "--train_steps=1-3", "--time_jitter"]
+    straight = losses(run(tmp_path, *common, out="a"))
+    run(tmp_path, *common, "--stop_at=4", out="b")
+    resumed = losses(run(tmp_path, *common, "--init_from=resume", out="b"))
+    assert all(resumed[it] == pytest.approx(straight[it], abs=1e-6) for it in range(4, 8))
+
+
+def test_any_depth_options_are_refused_for_a_model_with_fixed_layers():
+    with pytest.raises(UserError, match="--train_steps and --time_jitter train an ODE; a baseline model"):
+        train.main(["--model_type=baseline", "--train_steps=3-9"])
+    with pytest.raises(ConfigError, match="train_steps='9-3': use a step count or a range like 3-9"):
+        parse_config(["--train_steps=9-3"], ModelConfig, train.TrainConfig)
+
+
+def test_depth_table_on_a_checkpoint(tmp_path, shakespeare):
+    import depth
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2")
+    depth.main([f"--init_from={tmp_path / 'out' / 'ckpt.pt'}", "--steps=1,2,4", "--solvers=euler,rk4",
+                "--eval_iters=4", "--batch_size=4", f"--out={tmp_path / 'depth'}"])  # the run's evaluation batches
+    results = json.load(open(tmp_path / "depth" / "depth.json"))["results"]
+    assert [(r["solver"], r["steps"], r["evaluations"]) for r in results] == [
+        ("euler", 1, 1), ("euler", 2, 2), ("euler", 4, 4), ("rk4", 1, 4), ("rk4", 2, 8), ("rk4", 4, 16)]
+    assert len({r["val_loss"] for r in results}) == len(results)
+    final = [r for r in map(json.loads, open(tmp_path / "out" / "log.jsonl")) if "val_loss" in r][-1]
+    at_trained = next(r["val_loss"] for r in results if (r["solver"], r["steps"]) == ("euler", 2))
+    assert at_trained == pytest.approx(final["val_loss"], abs=1e-6)  # the run's own number at its own depth
+    assert os.path.getsize(tmp_path / "depth" / "depth.png") > 5000
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1", "--model_type=baseline", out="gpt")
+    with pytest.raises(UserError, match="fixed layers: only an ODE checkpoint"):
+        depth.main([f"--init_from={tmp_path / 'gpt' / 'ckpt.pt'}"])
