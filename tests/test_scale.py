@@ -181,49 +181,56 @@ def spawn(fn, args, world=2, timeout=300):
             pytest.fail(f"{fn.__name__} did not finish in {timeout} s")
 
 
-def gradient_worker(rank, world, store, out, shape, parallel, dtype, accum):
+def gradient_worker(rank, world, store, out, shape, parallel, dtype, accum, once):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         env = runtime.Env(torch.device("cpu"), dtype, rank, rank, world)
-        cfg = train.TrainConfig(parallel=parallel)
+        cfg = train.TrainConfig(parallel=parallel, generate_once=once)
         torch.manual_seed(0)
         with torch.device("meta" if parallel == "fsdp" else "cpu"):
             model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
         model, raw = train.build(model, cfg, env)
         initial = {n: (p.full_tensor() if parallel == "fsdp" else p).detach().clone() for n, p in raw.named_parameters()}
+        if parallel == "fsdp" and not once:  # the policy on the units that FSDP2 runs
+            policy = raw.hyper.attn._get_fsdp_state()._mp_policy
+            assert (policy.param_dtype, policy.reduce_dtype) == ((torch.bfloat16, torch.float32) if dtype == torch.bfloat16
+                                                                 else (None, None))
         perturb(raw)
-        gen = weightgen.WeightGenerator(raw, dtype)
-        gen.generate()
+        gen = weightgen.WeightGenerator(raw, dtype) if once else None
+        if once:
+            gen.generate()
         batches = micro_batches(accum, SHAPES[shape]["vocab_size"])
         mine = list(range(rank, accum, world))
         for j, i in enumerate(mine):
             torch.manual_seed(100 + i)
             with train.sync(model, j == len(mine) - 1, cfg, env), env.autocast():
-                _, loss = model(batches[i], batches[i], weights=gen.weights())
+                _, loss = model(batches[i], batches[i], weights=gen.weights() if once else None)
                 (loss / len(mine)).backward()
-        gen.backward()
+        if once:
+            gen.backward()
         grads = {n: (p.grad.full_tensor() if parallel == "fsdp" else p.grad).float() for n, p in raw.named_parameters()}
         torch.save(dict(initial=initial, grads=grads), os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shape,parallel,dtype", [("gpt", "ddp", "float32"), ("gpt", "fsdp", "float32"),
-                                                  ("llama", "fsdp", "float32"), ("llama", "ddp", "float32"),
-                                                  ("gpt", "fsdp", "bfloat16")])
-def test_two_processes_generate_the_plain_gradients(tmp_path, shape, parallel, dtype):
+@pytest.mark.parametrize("shape,parallel,dtype,once", [("gpt", "ddp", "float32", True), ("gpt", "fsdp", "float32", True),
+                                                       ("llama", "fsdp", "float32", True), ("llama", "ddp", "float32", True),
+                                                       ("gpt", "fsdp", "bfloat16", True), ("gpt", "fsdp", "bfloat16", False)])
+def test_two_processes_generate_the_plain_gradients(tmp_path, shape, parallel, dtype, once):
     """DDP: dL/dW all-reduced once; FSDP2: each process generates its columns of W from its shards,
     all-gathers them, reduce-scatters dL/dW. Both equal one process generating W in every forward pass
     over all 4 micro-batches; a sharded build starts from the one-process build's weights. bfloat16: the
-    CPU twin of CUDA's MixedPrecisionPolicy and bf16 all-gather."""
+    CPU twins of CUDA's bf16 all-gather of generated weights and, with the weights generated in every
+    forward pass (once=False), of FSDP2's MixedPrecisionPolicy on the units."""
     dtype, accum = getattr(torch, dtype), 4
     torch.manual_seed(0)
     model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     perturb(model)
     _, want = plain_gradients(model, micro_batches(accum, SHAPES[shape]["vocab_size"]))
-    spawn(gradient_worker, (str(tmp_path / "store"), str(tmp_path), shape, parallel, dtype, accum))
+    spawn(gradient_worker, (str(tmp_path / "store"), str(tmp_path), shape, parallel, dtype, accum, once))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(torch.equal(got["initial"][n], p) for n, p in initial.items())
