@@ -80,6 +80,19 @@ def test_cached_logits_equal_recomputed_logits_at_every_position(model_type, fla
         assert (logits - recomputed_logits(model, idx[:, :p + 1], steps, solver)).abs().max() < 1e-10, f"position {p}"
 
 
+def test_a_rope_model_past_block_size_attends_to_a_sliding_window():
+    """With one layer, the logits at position p >= block_size are those of the window of the last
+    block_size tokens alone (RoPE sees relative positions only); with two layers the window's tokens
+    carry what they saw before it, so the whole prefix matters."""
+    idx = prompt(2 * BLOCK, B=1)
+    for layers, same in ((1, True), (2, False)):
+        model = random_model("baseline", "llama", n_layer=layers)
+        full, _ = model(idx)
+        for p in range(BLOCK, 2 * BLOCK):
+            window, _ = model(idx[:, p + 1 - BLOCK:p + 1])
+            assert ((full[:, p] - window[:, -1]).abs().max() < 1e-10) == same, (layers, p)
+
+
 def test_the_odes_weights_are_generated_once_per_generation():
     model = random_model()
     calls = []
