@@ -15,6 +15,7 @@ which is materialised at the adapters' step count and merged with them. Decoding
 the prompt fills static KV caches, then each token costs one position through every layer (gpt-fast);
 `--compile` compiles that one-token step. The samples go to stdout, one line of statistics to stderr.
 """
+import dataclasses
 import os
 import sys
 import time
@@ -142,6 +143,10 @@ def encode_prompt(text, tok, vocab_size):
 # -- the script -----------------------------------------------------------------------------------------
 
 def main(argv):
+    if "--help" in argv or "-h" in argv:  # (configurator.py has no --help yet)
+        keys = "\n".join(f"  --{f.name}={f.default!r}" for f in dataclasses.fields(SampleConfig))
+        print(f"{__doc__.strip()}\n\nkeys and defaults:\n{keys}")
+        return
     cfg, _ = parse_config(argv, SampleConfig)
     env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
     model, tokenizer = load_model(cfg.init_from)

@@ -259,3 +259,8 @@ def test_script_errors_are_one_line(args, message):
     done = subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(message)
+
+
+def test_help_lists_the_keys():
+    done = subprocess.run([sys.executable, "sample.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and "--init_from='out/ckpt.pt'" in done.stdout and "--top_p=1.0" in done.stdout
