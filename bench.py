@@ -21,8 +21,10 @@ process's RSS before it built the model). The shape comes from the model keys (M
 import dataclasses
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -258,7 +260,7 @@ def run_rows(mcfg, cfg, env, table):
             table.add(f"{label} {name}", times[name], None if name == "ODE weights" else tokens, flops[name],
                       times["matmul"], mm_flops)
             if compiled:
-                table.notes.append(f"{label} {name}: first call (compiling) {first[name]:.1f} s")
+                table.notes.append(f"{label} {name}: first call (compiling, empty cache) {first[name]:.1f} s")
         return times
 
     modes = [False, True] if cfg.compile else [False]
@@ -469,7 +471,12 @@ def main(argv):
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; {cfg.pairs} interleaved rounds after "
           f"{cfg.warmup} warm-up")
     table = Table()
-    run_rows(mcfg, cfg, env, table)
+    cache = tempfile.mkdtemp(prefix="bench-inductor-")  # an empty compile cache: compile times from scratch
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # (read when inductor first compiles)
+    try:
+        run_rows(mcfg, cfg, env, table)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
     table.measured_rows = cfg.row_list
     if "memory" in cfg.row_list:
         measure_memory(argv, table)
