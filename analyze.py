@@ -338,7 +338,7 @@ def step_fields(model, steps, T):
     one after the other, is a step of size 1 of F_k(X) = layer(X) - X (SPEC 4)."""
     cfg = model.cfg
     W = forward_weights(model, steps)
-    rope = rope_tables(T, cfg.n_embd // cfg.n_head, "cpu", torch.float64) if cfg.flavor == "llama" else None
+    rope = rope_tables(torch.arange(T), cfg.n_embd // cfg.n_head, torch.float64) if cfg.flavor == "llama" else None
     if cfg.model_type == "baseline":
         fields = [lambda x, w=w: sequential_block(x[None], w, cfg, rope, 0.0)[0] - x for w in W]
         return fields, 1.0, W, rope

@@ -137,6 +137,9 @@ def load_base(path, steps, device, **overrides):
 
 def check_base(path, sha256):
     """Refuse a base checkpoint that is not the file the adapters or the run were trained on."""
+    if not os.path.isfile(path):
+        raise UserError(f"the base checkpoint {path} does not exist: the adapters were trained on it; if it moved, "
+                        f"name it with --merge_base=PATH")
     if checkpoints.file_hash(path) != sha256:
         raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run started (its sha256 no longer "
                         f"matches): adapters on it would be folded into the wrong weights; keep the original base at "

@@ -24,7 +24,8 @@ RoPE, SwiGLU, no biases, untied head). One `attention`, one `mlp`, one `norm` se
 
 Differences from nanoGPT: the parallel residual and 1/N step size of the ODE models; weights as
 functions of t; `steps` and `solver` are per-call arguments; `materialize` turns the ODE into an
-ordinary transformer of any depth.
+ordinary transformer of any depth; `generate` decodes as gpt-fast does, with static KV caches (one per
+evaluation of F) and the ODE's weights generated once, so that a token costs what it costs a GPT.
 
 Precision: the time grid t_k, the time features e(t) and RoPE's tables are computed in float32, or
 in the parameters' dtype when it is wider, so a float64 model agrees with an exact computation to
@@ -118,11 +119,12 @@ def norm(x, weight, bias, flavor):
     return F.layer_norm(x, (x.size(-1),), weight, None if bias is None else bias.to(x.dtype), EPS)
 
 
-def rope_tables(T, head_size, device, dtype=torch.float32, base=10000.0):
-    """cos and sin of the rotary angles, (T, head_size), in the rotate-half layout of Llama."""
+def rope_tables(pos, head_size, dtype=torch.float32, base=10000.0):
+    """cos and sin of the rotary angles at the absolute positions pos (T,), each (T, head_size), in the
+    rotate-half layout of Llama."""
     dtype = time_dtype(dtype)
-    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, device=device, dtype=dtype) / head_size)
-    angles = torch.outer(torch.arange(T, device=device, dtype=dtype), inv_freq)  # (T, hs/2)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, device=pos.device, dtype=dtype) / head_size)
+    angles = torch.outer(pos.to(dtype), inv_freq)  # (T, hs/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
     return angles.cos(), angles.sin()
 
@@ -132,16 +134,24 @@ def apply_rope(x, cos, sin):
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
 
 
-def attention(x, w, cfg, rope, dropout):
-    """Causal multi-head self-attention A_t(Y) of SPEC 1, with fused QKV and output projection."""
+def attention(x, w, cfg, rope, dropout, mask=None, cache=None):
+    """Causal multi-head self-attention A_t(Y) of SPEC 1, with fused QKV and output projection.
+
+    mask (T, S), True where a query may see a key, replaces the plain causal mask where that is not
+    enough: decoding with a KV cache, or a RoPE model reading more than block_size tokens. cache, while
+    decoding, is (KVCache of this evaluation, cache slots (T,) of x's tokens): their keys and values are
+    written there and the queries attend to the whole cache (gpt-fast's static cache)."""
     B, T, C = x.size()
     q, k, v = F.linear(x, *w["attn"]).split(C, dim=2)
     q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if cache is not None:
+        kv, slots = cache
+        k, v = kv.update(slots, k, v)  # (B, nh, max_len, hs): every position so far
     # attention-probability dropout only in the baselines (nanoGPT's): the reference ODE block has none (SPEC 3)
     p = dropout if cfg.model_type == "baseline" else 0.0
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # flash on CUDA
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)  # flash on CUDA
     y = y.transpose(1, 2).reshape(B, T, C)
     return F.dropout(F.linear(y, *w["proj"]), dropout, dropout > 0)
 
@@ -155,16 +165,42 @@ def mlp(x, w, cfg, dropout):
     return F.dropout(y, dropout, dropout > 0)
 
 
-def vector_field(x, w, cfg, rope, dropout):
+def vector_field(x, w, cfg, rope, dropout, mask=None, cache=None):
     """F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)): attention and MLP in parallel on the same state (SPEC 1)."""
-    return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout)
+    return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
             + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout))
 
 
-def sequential_block(x, w, cfg, rope, dropout):
+def sequential_block(x, w, cfg, rope, dropout, mask=None, cache=None):
     """The GPT / Llama baseline layer: pre-norm, attention then MLP, one after the other (SPEC 4)."""
-    x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout)
+    x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
     return x + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout)
+
+
+class KVCache(nn.Module):
+    """The keys and values that one evaluation of attention has computed, preallocated for max_len
+    positions (gpt-fast's static cache): decoding a token then runs one position through each layer
+    instead of the whole prefix. Position p lives in slot p % max_len, so a RoPE model can go on past
+    max_len, each token seeing the last max_len positions (a sliding window, one token at a time)."""
+
+    def __init__(self, batch_size, n_head, max_len, head_size, device=None, dtype=None):
+        super().__init__()
+        shape = (batch_size, n_head, max_len, head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, slots, k, v):
+        """Write the keys and values k, v (B, nh, T, hs) into slots (T,); return the whole cache."""
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
+        return self.k, self.v
+
+
+def sliding_window_mask(pos, key_pos, window):
+    """(T, S), True where the query at absolute position pos[i] sees the key at key_pos[j]: causal, and at
+    most `window` positions back (itself included)."""
+    offset = pos[:, None] - key_pos[None, :]
+    return (offset >= 0) & (offset < window)
 
 
 def checkpointed(fn):
@@ -327,11 +363,11 @@ class Block(nn.Module):
     def weights(self):
         return {name: (m.weight, getattr(m, "bias", None)) for name, m in self.named_children()}
 
-    def forward(self, x, cfg, rope, dropout):
+    def forward(self, x, cfg, rope, dropout, mask=None, cache=None):
         """One layer: the sequential baseline block, or one Euler step x + F(x)/N of a materialised ODE."""
         if cfg.model_type == "baseline":
-            return sequential_block(x, self.weights(), cfg, rope, dropout)
-        return x + (1.0 / cfg.n_layer) * vector_field(x, self.weights(), cfg, rope, dropout)
+            return sequential_block(x, self.weights(), cfg, rope, dropout, mask, cache)
+        return x + (1.0 / cfg.n_layer) * vector_field(x, self.weights(), cfg, rope, dropout, mask, cache)
 
 
 INIT_BLOCK = 1 << 20  # random initial values are drawn in blocks of about this many, each with its own seed
@@ -381,6 +417,7 @@ class DiffEqFormer(nn.Module):
         # GPT ties the head to the token embedding (used directly in forward, so no tie can break)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False) if cfg.flavor == "llama" else None
         self._weight_cache = {}
+        self.kv_caches, self.decode_weights, self.cache_steps = None, None, None  # see setup_caches
         self.init_weights()
 
     # -- initialisation (SPEC 3) -------------------------------------------------------------
@@ -444,26 +481,49 @@ class DiffEqFormer(nn.Module):
         return n
 
     # -- the forward pass ------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None):
+    def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None, input_pos=None,
+                last_only=False):
         """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or None.
-        `offsets` (steps,) in [0, 1) move each Euler step's time back inside its step, t_k = (k + 1 -
+
+        offsets (steps,) in [0, 1) move each Euler step's time back inside its step, t_k = (k + 1 -
         offsets_k) / N: training at random times makes W(t) meaningful between the grid points.
-        `weights`: the block weights at every stage time, as step_weights returns them (offsets included),
-        to use instead of generating them here (train.py generates them once per optimizer step: weightgen.py)."""
+        weights: the block weights at every stage time, as step_weights returns them (offsets included),
+        to use instead of generating them here (train.py generates them once per optimizer step: weightgen.py).
+        input_pos (T,): the absolute positions of idx's tokens, to decode through the KV caches of
+        setup_caches (prefill: the prompt at 0..T-1; then one token at a time). last_only: logits of the
+        last position only, (B, 1, vocab), which is all that sampling needs (the head is the largest
+        matmul of a small model). A RoPE model reads a sequence longer than block_size with a sliding
+        attention window of block_size positions; learned positions stop at block_size."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
         if offsets is not None and (not cfg.is_ode or solver != "euler" or offsets.shape != (steps,)):
             raise ValueError(f"offsets need an ODE model, the euler solver and one offset per step ({steps})")
         B, T = idx.size()
-        if T > cfg.block_size:
+        if T > cfg.block_size and (cfg.flavor == "gpt" or input_pos is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
+        if last_only and targets is not None:
+            raise ValueError("last_only=True computes the logits of one position: no loss against targets")
         dropout = cfg.dropout if self.training else 0.0
+        pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos  # (T,)
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(pos)
         x = F.dropout(x, dropout, dropout > 0)
-        rope = rope_tables(T, cfg.n_embd // cfg.n_head, idx.device, x.dtype) if cfg.flavor == "llama" else None
-        x = self.integrate(x, steps, solver, rope, dropout, offsets, weights)
+        rope = rope_tables(pos, cfg.n_embd // cfg.n_head, x.dtype) if cfg.flavor == "llama" else None
+        mask = caches = None  # plain causal attention
+        if input_pos is not None:
+            if self.kv_caches is None or self.cache_steps != (steps, solver):
+                raise ValueError(f"decoding with steps={steps}, solver={solver!r} needs setup_caches(batch_size, "
+                                 f"max_len, steps={steps}, solver={solver!r}) first")
+            if T > self.kv_caches[0].k.size(2):
+                raise ValueError(f"{T} tokens do not fit in KV caches of {self.kv_caches[0].k.size(2)} positions")
+            mask, slots = self.cache_mask(input_pos)
+            caches = [(kv, slots) for kv in self.kv_caches]
+        elif T > cfg.block_size:
+            mask = sliding_window_mask(pos, pos, cfg.block_size)
+        x = self.integrate(x, steps, solver, rope, dropout, offsets, weights, mask, caches)
+        if last_only:
+            x = x[:, -1:]
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.ln_f(x), head)
         loss = None
@@ -485,35 +545,43 @@ class DiffEqFormer(nn.Module):
                              f"the euler solver; materialize a diffeq model to change its depth")
         return steps, solver
 
-    def integrate(self, x, steps, solver, rope, dropout, offsets=None, weights=None):
-        """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model."""
+    def integrate(self, x, steps, solver, rope, dropout, offsets=None, weights=None, mask=None, caches=None):
+        """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model.
+        While decoding, caches[j] is the KV cache of evaluation j of F (a solver stage, or layer j), and
+        the ODE takes the weights that setup_caches generated."""
         cfg = self.cfg
         recompute = cfg.checkpoint and self.training
         if weights is not None and (not cfg.is_ode or offsets is not None or len(weights) != steps * len(SOLVERS[solver])):
             raise ValueError(f"weights for {len(weights)} stage times given; {steps} {solver} steps of a {cfg.model_type} "
                              f"model need {steps * len(SOLVERS[solver]) if cfg.is_ode else 'none'} (offsets go into the weights)")
         if not cfg.is_ode:
-            for layer in self.layers:
-                x = checkpointed(layer)(x, cfg, rope, dropout) if recompute else layer(x, cfg, rope, dropout)
+            for layer, cache in zip(self.layers, caches or [None] * cfg.n_layer):
+                x = (checkpointed(layer) if recompute else layer)(x, cfg, rope, dropout, mask, cache)
             return x
         f = checkpointed(vector_field) if recompute else vector_field
-        if weights is None:  # the block weights at every stage time, in order
-            W = self.step_weights(steps, solver, x.device, offsets)
-        else:
+        if caches is not None:
+            W = self.decode_weights
+        elif weights is not None:
             W = weights
+        else:  # the block weights at every stage time, in order
+            W = self.step_weights(steps, solver, x.device, offsets)
+        caches = caches or [None] * len(W)
         h = 1.0 / steps
+
+        def F_at(x, j):  # evaluation j of F: the block weights at stage time j, and cache j when decoding
+            return f(x, W[j], cfg, rope, dropout, mask, caches[j])
+
         for k in range(steps):
             if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
-                x = x + h * f(x, W[k], cfg, rope, dropout)
+                x = x + h * F_at(x, k)
             elif solver == "midpoint":  # stages at k h and (k + 1/2) h
-                x_half = x + 0.5 * h * f(x, W[2 * k], cfg, rope, dropout)
-                x = x + h * f(x_half, W[2 * k + 1], cfg, rope, dropout)
+                x_half = x + 0.5 * h * F_at(x, 2 * k)
+                x = x + h * F_at(x_half, 2 * k + 1)
             else:  # classical RK4: stages at k h, (k + 1/2) h twice, (k + 1) h
-                w1, w2, w3, w4 = W[4 * k:4 * k + 4]
-                k1 = f(x, w1, cfg, rope, dropout)
-                k2 = f(x + 0.5 * h * k1, w2, cfg, rope, dropout)
-                k3 = f(x + 0.5 * h * k2, w3, cfg, rope, dropout)
-                k4 = f(x + h * k3, w4, cfg, rope, dropout)
+                k1 = F_at(x, 4 * k)
+                k2 = F_at(x + 0.5 * h * k1, 4 * k + 1)
+                k3 = F_at(x + 0.5 * h * k2, 4 * k + 2)
+                k4 = F_at(x + h * k3, 4 * k + 3)
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
@@ -564,17 +632,99 @@ class DiffEqFormer(nn.Module):
         out.load_state_dict(sd)
         return out.train(self.training)
 
-    # -- sampling ----------------------------------------------------------------------------------
+    # -- decoding (gpt-fast's recipe) ---------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, steps=None, solver=None):
-        """Append max_new_tokens sampled tokens to idx (B, T). The ODE weights are generated once (cache)."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.cfg.block_size:]
-            logits, _ = self(idx_cond, steps=steps, solver=solver)
-            logits = logits[:, -1, :] / max(temperature, 1e-8)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, idx_next), dim=1)
+    def setup_caches(self, batch_size, max_len, steps=None, solver=None, dtype=None):
+        """Zeroed KV caches (batch_size, n_head, max_len, head_size), one per evaluation of F (one per
+        layer, or one per solver stage of every step: each stage is its own attention), and an ODE's
+        block weights at every stage time, generated here once for a whole generation. The caches take
+        the autocast dtype when autocast is on (call this inside it), else the parameters' dtype. Call
+        it again after the weights change."""
+        cfg = self.cfg
+        steps, solver = self.check_steps(steps, solver)
+        if not 1 <= max_len <= cfg.block_size:
+            raise ValueError(f"max_len={max_len} must be in 1..block_size={cfg.block_size}")
+        device = self.wte.weight.device
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else self.wte.weight.dtype
+        evaluations = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
+        self.kv_caches = nn.ModuleList(KVCache(batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, device, dtype)
+                                       for _ in range(evaluations))
+        self.decode_weights = self.step_weights(steps, solver, device) if cfg.is_ode else None
+        self.cache_steps = (steps, solver)
+
+    def cache_mask(self, pos):
+        """(mask (T, max_len), slots (T,)) for tokens at absolute positions pos: the slot of position p is
+        p % max_len, and a query sees the slots that hold one of the last max_len positions up to its own
+        (the slots hold the positions up to pos[-1]: past max_len, feed one token at a time)."""
+        L = self.kv_caches[0].k.size(2)
+        slots = torch.arange(L, device=pos.device)
+        held = slots + L * torch.div(pos[-1] - slots, L, rounding_mode="floor")  # the position each slot holds
+        return sliding_window_mask(pos, held, L) & (held >= 0), pos % L
+
+    def decode(self, idx, input_pos, steps=None, solver=None):
+        """Logits (B, vocab) of the token after idx (B, 1), which sits at position input_pos (1,), through
+        the KV caches: the one-token step that generate repeats and `torch.compile(model.decode,
+        fullgraph=True)` compiles."""
+        logits, _ = self(idx, steps=steps, solver=solver, input_pos=input_pos, last_only=True)
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, steps=None, solver=None,
+                 decode=None):
+        """idx (B, T) followed by max_new_tokens tokens, each drawn by `sample_next` from the logits of the
+        last position (temperature 0: the argmax). The prompt fills the KV caches in one pass (prefill),
+        then every token costs one position through each layer, and an ODE's weights are generated once.
+        When the context is full, a RoPE model goes on with a sliding window of block_size positions; a
+        GPT-flavour model recomputes the window of the last block_size tokens for every new token (its
+        learned positions move), the cost of decoding without a cache. `decode`: the one-token step, e.g.
+        torch.compile(model.decode)."""
+        cfg = self.cfg
+        B, T = idx.size()
+        if T == 0:
+            raise ValueError("generate needs a prompt of at least one token")
+        steps, solver = self.check_steps(steps, solver)
+        decode = decode or self.decode
+        L = min(T + max_new_tokens, cfg.block_size)
+        self.setup_caches(B, L, steps, solver)
+
+        def prefill(tokens):  # tokens at positions 0.., in one pass through the caches
+            pos = torch.arange(tokens.size(1), device=tokens.device)
+            return self(tokens, steps=steps, solver=solver, input_pos=pos, last_only=True)[0][:, -1]
+
+        if cfg.flavor == "llama":  # the first L tokens at once, then one by one into the sliding window
+            logits = prefill(idx[:, :L])
+            for p in range(L, T):
+                logits = decode(idx[:, p:p + 1].contiguous(), torch.tensor([p], device=idx.device), steps, solver)
+        else:
+            logits = prefill(idx[:, -L:])
+        for i in range(max_new_tokens):
+            token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
+            idx = torch.cat((idx, token), dim=1)
+            p = idx.size(1) - 1  # the new token's position
+            if i == max_new_tokens - 1:
+                break
+            if cfg.flavor == "llama" or p < L:
+                logits = decode(token, torch.tensor([p], device=idx.device), steps, solver)
+            else:  # learned positions, context full: the window of the last L tokens, again
+                logits = prefill(idx[:, -L:])
         return idx
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
+    """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0; else a sample of
+    softmax(logits / temperature) over the top_k most likely tokens, then over the smallest set of them
+    whose probability reaches top_p (nucleus sampling; the most likely token is always kept)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -float("inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

@@ -184,7 +184,7 @@ def test_exponents_follow_the_forward_pass(model_type, flavor):
     with torch.no_grad():
         layered = model.materialize(N) if cfg.is_ode else model
         lcfg, h = layered.cfg, 1.0 / N if cfg.is_ode else 1.0
-        rope = rope_tables(T, D // cfg.n_head, "cpu", torch.float64) if flavor == "llama" else None
+        rope = rope_tables(torch.arange(T), D // cfg.n_head, torch.float64) if flavor == "llama" else None
         x = model.wte(idx) + (model.wpe(torch.arange(T)) if model.wpe is not None else 0)
         Q, lam, eps = np.tile(np.eye(D), (T, 1, 1)), np.zeros((T, D)), 1e-5
         for layer in layered.layers:
@@ -213,7 +213,7 @@ def test_last_position_attention_weights_reproduce_the_attention_output(flavor):
     cfg, T = model.cfg, 9
     with torch.no_grad():
         w = analyze.forward_weights(model, cfg.n_layer)[1]
-        rope = rope_tables(T, cfg.n_embd // cfg.n_head, "cpu", torch.float64) if flavor == "llama" else None
+        rope = rope_tables(torch.arange(T), cfg.n_embd // cfg.n_head, torch.float64) if flavor == "llama" else None
         x = torch.randn(T, cfg.n_embd, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         p = analyze.last_position_attention(x, w, cfg, rope)  # (H, T)
         v = F.linear(norm(x, *w["ln_1"], cfg.flavor), *w["attn"])[:, 2 * cfg.n_embd:]  # (T, C)

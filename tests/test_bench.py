@@ -1,0 +1,90 @@
+"""bench.py: --help, config files, paired interleaving, FLOP counts, and a tiny run with every row."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import bench
+from model import DiffEqFormer, ModelConfig, block_shapes
+
+from conftest import ROOT
+
+TINY = ["--threads=1", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--vocab_size=512",
+        "--d_t=4", "--time_freqs=4", "--batch_size=2", "--pairs=3", "--warmup=1", "--no-compile",
+        "--decode_tokens=8", "--prompt_tokens=4"]
+
+
+def test_help_lists_the_keys_and_exits_cleanly():
+    done = subprocess.run([sys.executable, "bench.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for key in ("--pairs=5", "--threads=0", "--warmup=1", "--config=''", "--n_embd=", "--compile=True"):
+        assert key in done.stdout
+
+
+def test_a_training_config_gives_its_model_shape_and_flags_win():
+    mcfg, cfg, ignored = bench.parse_args(["--config", "config/owt_gpt_small.py", "--n_layer=2"])
+    assert (mcfg.n_layer, mcfg.n_embd, mcfg.n_head, mcfg.block_size, mcfg.d_t) == (2, 768, 12, 1024, 20)
+    assert cfg.batch_size == 16 and cfg.compile and "learning_rate" in ignored and "out_dir" in ignored
+    mcfg, _, _ = bench.parse_args(["config/owt_gpt_small.py"])  # positional, as train.py takes it
+    assert mcfg.n_embd == 768 and mcfg.n_layer == 12
+
+
+def test_rounds_alternate_their_order_and_pairs_cancel_a_burst():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "ABC"}
+    times, first = bench.interleaved(fns, pairs=3, warmup=1, sync=lambda: None)
+    assert calls == list("ABC") + list("ABC") + list("CBA") + list("ABC")
+    assert all(len(t) == 3 for t in times.values()) and set(first) == set("ABC")
+    table = bench.Table()
+    q = table.ratio("A / B", [1.0, 10.0, 2.0], [0.5, 5.0, 1.0])  # a neighbour's burst in round 2 slows both
+    assert list(q) == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+def test_forward_flops_match_torchs_flop_counter(flavor):
+    """bench's formula against torch's count of a real forward (attention by the math backend, which the
+    counter sees as two batched matmuls over the whole T x T square). The counter leaves out biases and
+    norms, which the formula counts (2 per weight per token), and the formula counts the causal half of
+    the attention square."""
+    cfg = ModelConfig(model_type="baseline", flavor=flavor, n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    T, C, L = 16, 32, 3
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        DiffEqFormer(cfg)(torch.zeros(1, T, dtype=torch.long))
+    biases_and_norms = sum(o for i, o, b in block_shapes(cfg).values() if b) + 4 * C
+    ours = bench.forward_flops(cfg, T, bench.causal_keys(T), T)
+    causal = T * (T + 1) // 2  # a query sees itself and every token before it
+    assert counter.get_total_flops() == ours - 2 * T * L * biases_and_norms + 4 * L * C * (T * T - causal)
+
+
+def test_a_tiny_run_has_every_row_with_positive_finite_figures(capsys):
+    table = bench.main(TINY)
+    out = capsys.readouterr().out
+    labels = [r["label"] for r in table.rows]
+    for expected in ("train step, eager: GPT", "train step, eager: ODE", "train step, eager: shared",
+                     "train step, eager: ODE weights", "inference, eager: GPT", "inference, eager: ODE",
+                     "inference, eager: materialised", "decode 8 tokens after 4: GPT, KV cache",
+                     "decode 8 tokens after 4: ODE, KV cache", "decode 8 tokens after 4: GPT, recomputed",
+                     "decode 8 tokens after 4: ODE, recomputed"):
+        assert expected in labels
+    for r in table.rows:
+        assert len(r["times"]) == (9 if "rounds" in r["label"] else 3), r["label"]
+        assert all(t > 0 and math.isfinite(t) for t in r["times"]) and r["flops"] > 0
+        if r["label"] != "train step, eager: ODE weights" and "rounds" not in r["label"]:
+            assert r["memory"] > 0, r["label"]  # every eager row has its peak, from its own process
+    ratios = {label: q for label, q, _ in table.ratios}
+    assert len(ratios) == 8 and all(0 < q[0] <= q[1] <= q[2] < math.inf for q in ratios.values())
+    assert 0 < ratios["share of the ODE's training step spent generating its weights"][1] < 1
+    targets = [label for label, _, target in table.ratios if target]
+    assert targets == ["inference, eager: materialised / GPT", "decode 8 tokens after 4: GPT recomputed / KV cache",
+                       "decode 8 tokens after 4: ODE recomputed / KV cache",
+                       "decode 8 tokens after 4, KV cache, eager (9 rounds): ODE / GPT"]
+    assert out.count(": met") + out.count(": MISSED") == 4 and "dense matmul peak" in out
+
+
+def test_bad_keys_are_one_line():
+    done = subprocess.run([sys.executable, "bench.py", "--rows=train,fly"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip() == "error: rows='train,fly': fly is not one of train, inference, decode, memory"

@@ -1,0 +1,266 @@
+"""Decoding with the KV cache (model.generate) against recomputation, sampling filters, and sample.py."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoints
+import finetune
+import sample
+from configurator import UserError
+from model import DiffEqFormer, ModelConfig, sample_next
+
+from conftest import ROOT, TINY
+
+BLOCK = 12  # a short context, so that a generation slides its window after a few tokens
+
+
+def random_model(model_type="diffeq", flavor="gpt", **overrides):
+    """A float64 model whose every parameter is random (so that W(t) varies with t), in eval mode:
+    cached and recomputed logits then agree to ~1e-12 and no argmax is a near tie."""
+    base = "diffeq" if model_type == "materialized" else model_type
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**{**TINY, "block_size": BLOCK, "model_type": base, "flavor": flavor, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model = model.double().eval()
+    return model.materialize(4) if model_type == "materialized" else model
+
+
+def prompt(T, B=2, seed=1):
+    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def recomputed_logits(model, idx, steps=None, solver=None):
+    """The next-token logits (B, vocab) the way nanoGPT gets them, with no cache: the whole prefix again,
+    cropped to the last block_size tokens for learned positions; a RoPE model reads all of it (with its
+    sliding window of block_size positions)."""
+    if model.cfg.flavor == "gpt":
+        idx = idx[:, -model.cfg.block_size:]
+    return model(idx, steps=steps, solver=solver)[0][:, -1]
+
+
+CASES = [  # (model_type, flavor, solver): every model type and both flavours; every solver's stages
+    ("diffeq", "gpt", "euler"), ("diffeq", "llama", "euler"), ("diffeq", "gpt", "rk4"), ("diffeq", "llama", "midpoint"),
+    ("shared", "gpt", "euler"), ("shared", "llama", "midpoint"),
+    ("baseline", "gpt", "euler"), ("baseline", "llama", "euler"),
+    ("materialized", "gpt", "euler"), ("materialized", "llama", "euler"),
+]
+
+
+@pytest.mark.parametrize("model_type,flavor,solver", CASES)
+@pytest.mark.parametrize("T", [5, BLOCK + 3])  # a prompt that fits, and one longer than the context
+def test_greedy_decoding_with_the_cache_equals_recomputation(model_type, flavor, solver, T):
+    """Token for token, before and after the window slides (5 + 20 tokens > block_size = 12)."""
+    model = random_model(model_type, flavor)
+    steps = 5 if model.cfg.is_ode else None  # an ODE at another step count than it was built with
+    solver = solver if model.cfg.is_ode else None
+    out = model.generate(prompt(T), 20, temperature=0, steps=steps, solver=solver)
+    assert out.shape == (2, T + 20) and torch.equal(out[:, :T], prompt(T))
+    for t in range(T, T + 20):
+        assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t], steps, solver).argmax(-1)), f"token {t}"
+
+
+@pytest.mark.parametrize("model_type,flavor,solver", CASES)
+def test_cached_logits_equal_recomputed_logits_at_every_position(model_type, flavor, solver):
+    """The logits themselves, not only their argmax: a prefill of 4 tokens, then one token at a time
+    through the caches, past max_len for a RoPE model (its cache is a ring of block_size slots)."""
+    model = random_model(model_type, flavor)
+    steps = 3 if model.cfg.is_ode else None
+    solver = solver if model.cfg.is_ode else None
+    n = 2 * BLOCK if flavor == "llama" else BLOCK
+    idx = prompt(n)
+    model.setup_caches(2, BLOCK, steps, solver)
+    logits = model(idx[:, :4], steps=steps, solver=solver, input_pos=torch.arange(4), last_only=True)[0][:, -1]
+    assert (logits - recomputed_logits(model, idx[:, :4], steps, solver)).abs().max() < 1e-10
+    for p in range(4, n):
+        logits = model.decode(idx[:, p:p + 1], torch.tensor([p]), steps, solver)
+        assert (logits - recomputed_logits(model, idx[:, :p + 1], steps, solver)).abs().max() < 1e-10, f"position {p}"
+
+
+def test_a_rope_model_past_block_size_attends_to_a_sliding_window():
+    """With one layer, the logits at position p >= block_size are those of the window of the last
+    block_size tokens alone (RoPE sees relative positions only); with two layers the window's tokens
+    carry what they saw before it, so the whole prefix matters."""
+    idx = prompt(2 * BLOCK, B=1)
+    for layers, same in ((1, True), (2, False)):
+        model = random_model("baseline", "llama", n_layer=layers)
+        full, _ = model(idx)
+        for p in range(BLOCK, 2 * BLOCK):
+            window, _ = model(idx[:, p + 1 - BLOCK:p + 1])
+            assert ((full[:, p] - window[:, -1]).abs().max() < 1e-10) == same, (layers, p)
+
+
+def test_the_odes_weights_are_generated_once_per_generation():
+    model = random_model()
+    calls = []
+    model.hyper.register_forward_hook(lambda *a: calls.append(1))
+    model.generate(prompt(4), 2 * BLOCK, temperature=0)  # slides too: the window recomputations reuse them
+    assert len(calls) == 1
+    model.hyper.fc.B_W.data.add_(0.1)  # new weights: the next generation must see them
+    model.train().eval()
+    model.generate(prompt(4), 2, temperature=0)
+    assert len(calls) == 2
+
+
+def test_last_only_is_the_last_row_of_the_logits():
+    model = random_model()
+    full, _ = model(prompt(7))
+    last, _ = model(prompt(7), last_only=True)
+    assert last.shape == (2, 1, TINY["vocab_size"]) and (last - full[:, -1:]).abs().max() < 1e-12
+    with pytest.raises(ValueError, match="no loss"):
+        model(prompt(7), targets=prompt(7), last_only=True)
+
+
+def test_decoding_needs_caches_set_up_for_its_steps():
+    model = random_model()
+    model.setup_caches(1, 8, steps=3)
+    with pytest.raises(ValueError, match=r"needs setup_caches\(batch_size, max_len, steps=4"):
+        model(prompt(1, B=1), steps=4, input_pos=torch.tensor([0]))
+    with pytest.raises(ValueError, match="do not fit in KV caches of 8 positions"):
+        model(prompt(9, B=1), steps=3, input_pos=torch.arange(9))
+
+
+def test_compiled_decode_step_matches_eager_without_graph_breaks_or_recompiles():
+    torch._dynamo.reset()
+    model = random_model(flavor="llama").float()
+    eager = model.generate(prompt(3), 2 * BLOCK, temperature=0)
+    decode = torch.compile(model.decode, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # positions change, shapes do not
+        fast = model.generate(prompt(3), 2 * BLOCK, temperature=0, decode=decode)
+    assert torch.equal(eager, fast)
+
+
+# -- sampling filters -----------------------------------------------------------------------------------
+
+PROBS = torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]])  # token order by probability: 1, 3, 4, 2, 0
+
+
+def drawn(n=2000, **kwargs):
+    torch.manual_seed(0)
+    logits = PROBS.log().expand(n, -1)
+    return set(sample_next(logits, **kwargs).flatten().tolist())
+
+
+def test_top_k_and_top_p_never_sample_a_masked_token():
+    assert drawn() == {0, 1, 2, 3, 4}
+    assert drawn(top_k=2) == {1, 3}
+    assert drawn(top_p=0.7) == {1, 3}  # 0.4 + 0.3 reaches 0.7: the third token is not needed
+    assert drawn(top_p=0.71) == {1, 3, 4}
+    assert drawn(top_p=0.01) == {1}  # the most likely token always stays
+    assert drawn(top_k=3, top_p=0.5) == {1, 3}  # top_p over the top_k tokens, renormalised
+    assert drawn(temperature=0) == {1}
+
+
+def test_temperature_sharpens():
+    torch.manual_seed(0)
+    cold = sample_next(PROBS.log().expand(4000, -1), temperature=0.25).flatten()
+    assert (cold == 1).float().mean() > 0.6  # 0.4^4 / sum p^4 = 0.70; at temperature 1 it is 0.4
+
+
+# -- sample.py ----------------------------------------------------------------------------------------------
+
+def save_model(path, model, tokenizer="byte"):
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(), model=model.float().state_dict(),
+                          tokenizer=tokenizer), str(path))
+    return str(path)
+
+
+def run_sample(capsys, path, *args):
+    sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=1", "--temperature=0", *args])
+    return capsys.readouterr().out.split("\n---------------\n")[0]
+
+
+def expected(model, text, n, **kwargs):
+    idx = torch.tensor([list(text.encode())])
+    out = model.float().eval().generate(idx, n, temperature=0, **kwargs)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def byte_model(model_type="diffeq", flavor="gpt"):
+    return random_model(model_type, flavor, vocab_size=256)
+
+
+@pytest.mark.parametrize("model_type,flavor", [("diffeq", "gpt"), ("shared", "llama"), ("baseline", "gpt"),
+                                               ("baseline", "llama"), ("materialized", "gpt")])
+def test_sample_reads_model_checkpoints_of_every_type(tmp_path, capsys, model_type, flavor):
+    model = byte_model(model_type, flavor)
+    path = save_model(tmp_path / "ckpt.pt", model)
+    assert run_sample(capsys, path, "--start=ab", "--max_new_tokens=6") == expected(model, "ab", 6)
+
+
+def test_sample_reads_lora_adapters_with_their_base_and_merged_files(tmp_path, capsys):
+    ode = byte_model()
+    base = save_model(tmp_path / "base.pt", ode)
+    fcfg = finetune.FinetuneConfig(lora_rank=2)
+    layers = finetune.add_lora(ode.materialize(5), fcfg)
+    with torch.no_grad():
+        for name, p in layers.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0.0, 0.5)  # adapters that change the output
+    checkpoints.save(finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 5), str(tmp_path / "adapters.pt"))
+    merged = finetune.merge_lora(layers).eval()
+    text = expected(merged, "ab", 6)
+    assert text != expected(ode.materialize(5), "ab", 6)
+    assert run_sample(capsys, tmp_path / "adapters.pt", "--start=ab", "--max_new_tokens=6") == text
+    assert run_sample(capsys, save_model(tmp_path / "merged.pt", merged), "--start=ab", "--max_new_tokens=6") == text
+
+
+def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys):
+    ode = save_model(tmp_path / "ode.pt", byte_model())
+    outputs = {run_sample(capsys, ode, "--start=ab", "--max_new_tokens=12", *args)
+               for args in ([], ["--steps=1"], ["--steps=2"], ["--solver=rk4"])}
+    assert len(outputs) == 4
+    gpt = save_model(tmp_path / "gpt.pt", byte_model("baseline"))
+    with pytest.raises(UserError, match=r"baseline \(gpt\) model of 3 fixed layers, so it cannot run with --steps 9"):
+        run_sample(capsys, gpt, "--steps=9")
+    with pytest.raises(UserError, match="cannot run with --solver rk4"):
+        run_sample(capsys, save_model(tmp_path / "m.pt", byte_model("materialized")), "--solver=rk4")
+
+
+def test_prompt_from_a_file(tmp_path, capsys):
+    model = byte_model()
+    (tmp_path / "prompt.txt").write_text("ba")
+    path = save_model(tmp_path / "ckpt.pt", model)
+    assert run_sample(capsys, path, f"--start=FILE:{tmp_path / 'prompt.txt'}", "--max_new_tokens=4") == expected(model, "ba", 4)
+    with pytest.raises(UserError, match="prompt file .*nothing.txt does not exist"):
+        run_sample(capsys, path, f"--start=FILE:{tmp_path / 'nothing.txt'}")
+
+
+@pytest.mark.parametrize("tokenizer,vocab,start,message", [
+    ("byte", 96, "", "the prompt is empty"),
+    ("byte", 128, "caf\u00e9", r"'\u00e9' \(UTF-8 bytes \[195, 169\]\) is outside its vocabulary of 128 ids \(2 such tokens"),
+    ("gpt2", 1024, " the hello", r"' hello' \(token id 23748\) is outside its vocabulary of 1024 ids \(1 such token"),
+])
+def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, tokenizer, vocab, start, message):
+    path = save_model(tmp_path / "ckpt.pt", random_model(vocab_size=vocab), tokenizer=tokenizer)
+    with pytest.raises(UserError, match=message):
+        run_sample(capsys, path, f"--start={start}")
+
+
+def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
+    checkpoints.save(dict(kind=checkpoints.LORA_RUN), str(tmp_path / "run.pt"))
+    with pytest.raises(UserError, match=f"holds a {checkpoints.LORA_RUN} checkpoint, not a {checkpoints.MODEL}"):
+        run_sample(capsys, tmp_path / "run.pt")
+    layers = finetune.add_lora(byte_model().materialize(3), finetune.FinetuneConfig(lora_rank=2))
+    adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), str(tmp_path / "gone.pt"), "0" * 64, 3)
+    checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
+    with pytest.raises(UserError, match=r"the base checkpoint .*gone.pt does not exist"):
+        run_sample(capsys, tmp_path / "adapters.pt")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--init_from=nowhere/ckpt.pt"], "error: checkpoint nowhere/ckpt.pt does not exist (train one with `python train.py`"),
+    (["--top_p=0"], "error: top_p=0.0 must be in (0, 1]"),
+])
+def test_script_errors_are_one_line(args, message):
+    done = subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(message)
+
+
+def test_help_lists_the_keys():
+    done = subprocess.run([sys.executable, "sample.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and "--init_from='out/ckpt.pt'" in done.stdout and "--top_p=1.0" in done.stdout
