@@ -42,6 +42,7 @@ import runtime
 import sample
 from analyze import save_figure
 from configurator import UserError, parse_config, run_main
+from model import time_dtype
 
 
 @dataclass
@@ -114,7 +115,7 @@ class CheckpointLM:
             x[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
         with self.env.autocast():
             logits, _ = self.model(x.to(self.env.device), steps=self.steps, solver=self.solver)
-        logp = F.log_softmax(logits.float(), dim=-1).cpu()
+        logp = F.log_softmax(logits.to(time_dtype(logits.dtype)), dim=-1).cpu()  # float32 at least
         out = []
         for row, (tokens, n) in enumerate(batch):
             rows = logp[row, len(tokens) - 1 - n:len(tokens) - 1]  # the positions that predict the last n tokens
