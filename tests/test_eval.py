@@ -157,3 +157,18 @@ def test_without_lm_eval_eval_py_says_how_to_install_it():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr == (
         "error: eval.py needs lm-evaluation-harness: pip install -r requirements-eval.txt\n"), done.stderr
+
+
+@needs_lm_eval
+@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
+def test_an_empty_context_is_the_end_of_text_token_or_the_first_byte(tokenizer):
+    import eval
+    from lm_eval.api.instance import Instance
+    tok = prepare.get_tokenizer(tokenizer)
+    model = random_model(vocab_size=tok.vocab_size, block_size=BLOCK)
+    lm = eval.make_lm(model, tok)
+    text = " the cat sat"
+    [(ll, is_greedy)] = lm.loglikelihood([Instance("loglikelihood", {}, ("", text), 0)], disable_tqdm=True)
+    tokens = tok.encode(text)
+    expected = logprob(model, tokens, len(tokens) - 1) if tok.eot is None else logprob(model, [tok.eot] + tokens, len(tokens))
+    assert ll == pytest.approx(expected[0], abs=1e-9) and is_greedy == expected[1]
