@@ -1,0 +1,308 @@
+"""
+Downstream evaluation with EleutherAI's lm-evaluation-harness (the paper's Tables 4-5), for any checkpoint.
+
+    python eval.py --tasks lambada_openai,piqa --num_fewshot 5 --init_from=out/ckpt.pt
+    python eval.py --tasks arc_easy,arc_challenge,hellaswag,sciq,winogrande,logiqa --init_from=out/ckpt.pt --steps 12
+    python eval.py --tasks shakespeare --include_path=tasks --compare=out-gpt/ckpt.pt    # a local task, two models
+    python eval.py --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
+
+lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when eval.py runs. The
+checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with sample.load_model (every kind:
+DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
+text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
+
+* loglikelihood: lm-eval's TemplateLM splits each (context, continuation) into tokens; the last
+  block_size + 1 tokens of both, one forward pass, the continuation's log-probabilities summed, and
+  whether each continuation token is the argmax. Requests go in batches sorted by length, longest first,
+  padded on the right (causal attention: padding never reaches the positions that are read).
+* loglikelihood_rolling (perplexity tasks): lm-eval's windows of block_size tokens, each token predicted
+  once, the last window with a full context.
+* generate_until: greedy decoding with model.generate (what sample.py runs), the context cut on the left
+  to block_size tokens; max_gen_toks tokens are generated, then cut at the first `until` string.
+
+A text with no context starts after the end-of-text token where the tokenizer has one (tiktoken's
+<|endoftext|>, as lm-eval does); the byte tokenizer has none, so there the first byte is the context and
+is not scored. Writes into --out: results.json (lm-eval's results, with the models and this config),
+results.md (a table: value +- standard error, one column per checkpoint) and, with --compare, results.png.
+The paper's tasks download from Hugging Face (a network is needed once); local tasks are YAML files in
+--include_path (see tasks/).
+"""
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import prepare
+import runtime
+import sample
+from analyze import save_figure
+from configurator import UserError, parse_config, run_main
+from model import time_dtype
+
+
+@dataclass
+class EvalConfig:
+    init_from: str = "out/ckpt.pt"  # a model checkpoint (ckpt.pt, merged.pt) or a LoRA adapters file
+    compare: str = ""  # a second checkpoint: a column of its own in results.md, and the bar chart results.png
+    tasks: str = ""  # comma-separated lm-eval tasks or groups, e.g. lambada_openai,piqa
+    num_fewshot: int = -1  # examples in each prompt; -1: each task's own default (0 for most)
+    include_path: str = ""  # a folder of task YAML files, for tasks on local files
+    limit: float = 0.0  # at most this many documents per task (a fraction of them if < 1); 0: all
+    batch_size: int = 16  # sequences per forward pass for loglikelihood requests
+    max_gen_toks: int = 256  # generate_until: tokens to generate when the task does not say
+    bootstrap_iters: int = 100000  # resamples for the standard errors of metrics that need them (perplexity)
+    log_samples: bool = False  # also keep every request and response in results.json
+    steps: int = 0  # solver steps of an ODE checkpoint; 0: its training count
+    solver: str = ""  # euler, midpoint or rk4 for an ODE checkpoint; "": its training solver
+    out: str = "out-eval"  # folder for results.json, results.md, results.png
+    seed: int = 1234  # lm-eval's seeds (few-shot sampling)
+    device: str = "auto"
+    dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
+
+    def __post_init__(self):
+        for name, low in (("batch_size", 1), ("max_gen_toks", 1), ("bootstrap_iters", 0), ("steps", 0), ("num_fewshot", -1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least {low}")
+        if self.limit < 0:
+            raise ValueError(f"limit={self.limit} must be at least 0 (0: every document)")
+
+
+def harness():
+    """The lm_eval package, imported on first use: an optional extra."""
+    try:
+        import lm_eval
+        import lm_eval.api.model
+        import lm_eval.tasks
+    except ImportError as e:
+        raise UserError("eval.py needs lm-evaluation-harness: pip install -r requirements-eval.txt") from e
+    return lm_eval
+
+
+# -- a checkpoint as an lm-eval language model -------------------------------------------------------
+
+class CheckpointLM:
+    """lm-eval's TemplateLM interface over a model in eval mode and its tokenizer. lm-eval is imported
+    lazily, so the class that lm-eval sees is made at run time with TemplateLM as a base: make_lm."""
+
+    def __init__(self, model, tok, steps=None, solver=None, env=None, batch_size=16, max_gen_toks=256, info=None):
+        super().__init__()
+        self.model, self.tok, self.steps, self.solver = model, tok, steps, solver
+        self.env = env or runtime.Env(torch.device("cpu"), torch.float32)
+        self.batch_size, self.max_gen_toks, self.info = batch_size, max_gen_toks, info or {}
+        self.max_length = model.cfg.block_size
+
+    @property
+    def eot_token_id(self):
+        return self.tok.eot  # None for bytes: see _loglikelihood_tokens
+
+    def tok_encode(self, string, **kwargs):
+        return self.tok.encode(string)
+
+    def get_model_info(self):  # lm-eval puts it in results["config"]
+        return self.info
+
+    @torch.no_grad()
+    def logprobs(self, batch):
+        """For each (tokens, n): (sum of the log-probabilities of the last n tokens given those before them,
+        whether each of those n is the argmax), from one forward pass over tokens[:-1] per batch."""
+        x = torch.zeros(len(batch), max(len(t) for t, _ in batch) - 1, dtype=torch.long)
+        for row, (tokens, _) in enumerate(batch):
+            x[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+        with self.env.autocast():
+            logits, _ = self.model(x.to(self.env.device), steps=self.steps, solver=self.solver)
+        logp = F.log_softmax(logits.to(time_dtype(logits.dtype)), dim=-1).cpu()  # float32 at least
+        out = []
+        for row, (tokens, n) in enumerate(batch):
+            rows = logp[row, len(tokens) - 1 - n:len(tokens) - 1]  # the positions that predict the last n tokens
+            target = torch.tensor(tokens[len(tokens) - n:])
+            out.append((rows.gather(1, target[:, None]).sum().item(), bool((rows.argmax(-1) == target).all())))
+        return out
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        """(log-likelihood, is_greedy) of each (strings, context tokens, continuation tokens), as TemplateLM
+        encodes them. An empty context comes as [eot]; with no eot (bytes) as [None], and then the
+        continuation's first token is its context."""
+        seqs = []
+        for _, context, continuation in requests:
+            tokens = continuation if context == [None] else context + continuation
+            n = len(tokens) - 1 if context == [None] else len(continuation)
+            if n > self.max_length:
+                raise ValueError(f"a continuation of {n} tokens does not fit in block_size={self.max_length}")
+            seqs.append((tokens[-(self.max_length + 1):], n))  # contexts cut on the left
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
+        results = [(0.0, True)] * len(seqs)  # a continuation with nothing to score
+        todo = [i for i in order if seqs[i][1] > 0]
+        for start in tqdm(range(0, len(todo), self.batch_size), desc="loglikelihood", disable=disable_tqdm):
+            batch = todo[start:start + self.batch_size]
+            for i, result in zip(batch, self.logprobs([seqs[i] for i in batch])):
+                results[i] = result
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        """Each text's log-likelihood over lm-eval's rolling windows of block_size tokens."""
+        utils = harness().utils
+        windows, owner = [], []
+        for r, (string,) in enumerate(req.args for req in requests):
+            tokens = self.tok_encode(string)
+            prefix, tokens = (self.tok.eot, tokens) if self.tok.eot is not None else (tokens[0], tokens[1:])
+            for context, continuation in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    tokens, prefix, self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owner.append(r)
+        totals = [0.0] * len(requests)
+        for r, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm)):
+            totals[r] += logprob
+        return totals
+
+    def generate_until(self, requests, disable_tqdm=False):
+        """Greedy continuations, cut before the first of the request's `until` strings."""
+        out = []
+        for context, kwargs in tqdm([req.args for req in requests], desc="generate_until", disable=disable_tqdm):
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else until
+            ids = self.tok_encode(context)[-self.max_length:] or [self.tok.eot]
+            if ids[0] is None:
+                raise ValueError("generate_until with an empty context needs a tokenizer with an end-of-text token")
+            x = torch.tensor([ids], dtype=torch.long, device=self.env.device)
+            with self.env.autocast():
+                y = self.model.generate(x, kwargs.get("max_gen_toks", self.max_gen_toks), temperature=0,
+                                        steps=self.steps, solver=self.solver)
+            text = self.tok.decode([i for i in y[0, len(ids):].tolist() if i < self.tok.vocab_size])
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+        return out
+
+
+def make_lm(model, tok, **kwargs):
+    """A CheckpointLM that lm-eval accepts (an lm_eval.api.model.TemplateLM)."""
+    cls = type("CheckpointLM", (CheckpointLM, harness().api.model.TemplateLM), {})
+    return cls(model, tok, **kwargs)
+
+
+def load_lm(path, cfg, env):
+    """The checkpoint at `path` as an lm-eval model, at cfg's steps and solver."""
+    model, tokenizer = sample.load_model(path)
+    model.to(env.device)
+    steps, solver = sample.solver_args(model, cfg, path)
+    mcfg = model.cfg
+    depth = (f"{steps or mcfg.n_layer} {solver or mcfg.solver} steps" if mcfg.is_ode else f"{mcfg.n_layer} layers")
+    info = dict(checkpoint=path, label=f"{mcfg.model_type} ({mcfg.flavor}), {depth}", model_type=mcfg.model_type,
+                flavor=mcfg.flavor, steps=steps or mcfg.n_layer, solver=solver or mcfg.solver, tokenizer=tokenizer)
+    return make_lm(model, prepare.get_tokenizer(tokenizer), steps=steps, solver=solver, env=env,
+                   batch_size=cfg.batch_size, max_gen_toks=cfg.max_gen_toks, info=info)
+
+
+# -- the harness ------------------------------------------------------------------------------------------
+
+def task_manager(tasks, include_path=""):
+    """lm-eval's TaskManager for `tasks`: the local folder alone when it has them all (indexing lm-eval's
+    own ~15,000 task files takes seconds), else lm-eval's tasks too. An unknown name is a UserError."""
+    TaskManager = harness().tasks.TaskManager
+    if include_path and not os.path.isdir(include_path):
+        raise UserError(f"--include_path={include_path} is not a folder of task YAML files")
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    manager = TaskManager(include_path=include_path or None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" nor in {include_path}" if include_path else " (local tasks: --include_path=FOLDER)"
+        raise UserError(f"unknown task {unknown[0]!r}: not one of lm-eval's tasks{where}")
+    return manager
+
+
+def evaluate(lm, tasks, manager, cfg):
+    """lm-eval's simple_evaluate of lm on the tasks: its results dict."""
+    return harness().simple_evaluate(
+        model=lm, tasks=tasks, num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
+        limit=cfg.limit or None, task_manager=manager, bootstrap_iters=cfg.bootstrap_iters,
+        log_samples=cfg.log_samples, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
+        torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+
+
+# -- reports ----------------------------------------------------------------------------------------------
+
+def metric_rows(results):
+    """[(task, metric, n-shot, value, stderr or None)] of one lm-eval results dict, in its order."""
+    rows = []
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if not filt or "_stderr" in metric or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            shots = results.get("n-shot", {}).get(task, "")
+            rows.append((task, metric, shots, value, stderr if isinstance(stderr, (int, float)) else None))
+    return rows
+
+
+def number(x):
+    """4 decimals, or 4 significant digits for a large value (a perplexity)."""
+    return f"{x:.4f}" if abs(x) < 100 else f"{x:.4g}"
+
+
+def markdown(runs):
+    """The table of results.md: one row per task and metric, one column per checkpoint (value +- stderr)."""
+    labels = [f"{r['config']['checkpoint']} ({r['config']['label']})" for r in runs]
+    lines = ["| task | metric | n-shot | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(runs)]
+    table = [metric_rows(r) for r in runs]
+    for i, (task, metric, shots, *_) in enumerate(table[0]):
+        cells = [number(v) + (f" ± {number(s)}" if s is not None else "") for *_, v, s in (rows[i] for rows in table)]
+        lines.append(f"| {task} | {metric} | {shots} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(runs, path):
+    """Each metric in a panel of its own, a group of bars per task, one bar per checkpoint with its stderr."""
+    table = [metric_rows(r) for r in runs]
+    metrics = list(dict.fromkeys(metric for _, metric, *_ in table[0]))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1, 3.4), squeeze=False)
+    width = 0.8 / len(runs)
+    for ax, metric in zip(axes[0], metrics):
+        for j, (run, rows) in enumerate(zip(runs, table)):
+            rows = [row for row in rows if row[1] == metric]
+            x = np.arange(len(rows)) + (j - (len(runs) - 1) / 2) * width
+            ax.bar(x, [v for *_, v, _ in rows], width, yerr=[s or 0 for *_, s in rows], capsize=3,
+                   label=run["config"]["label"], color=f"C{j}")
+        ax.set_xticks(np.arange(len(rows)), [task for task, *_ in rows], rotation=20, ha="right")
+        ax.set_title(metric)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+# -- the script -----------------------------------------------------------------------------------------
+
+def main(argv):
+    cfg, _ = parse_config(argv, EvalConfig)
+    lm_eval = harness()
+    tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("no tasks: name some with --tasks, e.g. --tasks lambada_openai,piqa")
+    env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
+    paths = [cfg.init_from] + ([cfg.compare] if cfg.compare else [])
+    lms = [load_lm(path, cfg, env) for path in paths]  # every checkpoint is checked before the long part
+    manager = task_manager(tasks, cfg.include_path)
+    runs = [evaluate(lm, tasks, manager, cfg) for lm in lms]
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "results.json"), "w") as f:
+        json.dump(dict(config=asdict(cfg), runs=runs), f, indent=2, default=lm_eval.utils.handle_non_serializable)
+    table = markdown(runs)
+    with open(os.path.join(cfg.out, "results.md"), "w") as f:
+        f.write(table)
+    print(table)
+    if len(runs) == 2:
+        bar_chart(runs, os.path.join(cfg.out, "results.png"))
+    print(f"wrote {cfg.out}/results.json, {cfg.out}/results.md" + f", {cfg.out}/results.png" * (len(runs) == 2))
+
+
+if __name__ == "__main__":
+    run_main(main)
