@@ -565,23 +565,22 @@ class DiffEqFormer(nn.Module):
             W = weights
         else:  # the block weights at every stage time, in order
             W = self.step_weights(steps, solver, x.device, offsets)
-        caches = caches or [None] * len(W)
+        caches = caches or [None] * len(W)  # evaluation j of F uses the weights W[j] (and caches[j] when decoding)
+        args = (cfg, rope, dropout, mask)
         h = 1.0 / steps
-
-        def F_at(x, j):  # evaluation j of F: the block weights at stage time j, and cache j when decoding
-            return f(x, W[j], cfg, rope, dropout, mask, caches[j])
-
         for k in range(steps):
             if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
-                x = x + h * F_at(x, k)
+                x = x + h * f(x, W[k], *args, caches[k])
             elif solver == "midpoint":  # stages at k h and (k + 1/2) h
-                x_half = x + 0.5 * h * F_at(x, 2 * k)
-                x = x + h * F_at(x_half, 2 * k + 1)
+                j = 2 * k
+                x_half = x + 0.5 * h * f(x, W[j], *args, caches[j])
+                x = x + h * f(x_half, W[j + 1], *args, caches[j + 1])
             else:  # classical RK4: stages at k h, (k + 1/2) h twice, (k + 1) h
-                k1 = F_at(x, 4 * k)
-                k2 = F_at(x + 0.5 * h * k1, 4 * k + 1)
-                k3 = F_at(x + 0.5 * h * k2, 4 * k + 2)
-                k4 = F_at(x + h * k3, 4 * k + 3)
+                j = 4 * k
+                k1 = f(x, W[j], *args, caches[j])
+                k2 = f(x + 0.5 * h * k1, W[j + 1], *args, caches[j + 1])
+                k3 = f(x + 0.5 * h * k2, W[j + 2], *args, caches[j + 2])
+                k4 = f(x + h * k3, W[j + 3], *args, caches[j + 3])
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
