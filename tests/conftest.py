@@ -30,6 +30,15 @@ def corpus(*parts):
     return path
 
 
+def tokenizer_or_skip(name):
+    """prepare.get_tokenizer(name), or a skip where a tiktoken encoding is neither cached nor downloadable."""
+    from prepare import DownloadError, get_tokenizer
+    try:
+        return get_tokenizer(name)
+    except DownloadError as e:
+        pytest.skip(f"tiktoken cannot load {name} offline (point TIKTOKEN_CACHE_DIR at shared/tiktoken): {e}")
+
+
 @pytest.fixture
 def shakespeare():
     return corpus("tinyshakespeare", "input.txt")

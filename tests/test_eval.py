@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import prepare
 from configurator import UserError
 
-from conftest import ROOT
+from conftest import ROOT, tokenizer_or_skip
 from test_sample import random_model, recomputed_logits, save_model
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing here may reach the network
@@ -72,7 +72,7 @@ def greedy(model, tokens, n):
 @needs_lm_eval
 @pytest.mark.parametrize("model_type,flavor,tokenizer", [("diffeq", "gpt", "byte"), ("baseline", "llama", "gpt2")])
 def test_every_request_and_metric_equals_the_plain_forward_pass(model_type, flavor, tokenizer):
-    vocab = prepare.get_tokenizer(tokenizer).vocab_size
+    vocab = tokenizer_or_skip(tokenizer).vocab_size
     model = random_model(model_type, flavor, vocab_size=vocab, block_size=BLOCK)
     tok = prepare.get_tokenizer(tokenizer)
     out = run_tasks(model, tokenizer, num_fewshot=2)
@@ -164,7 +164,7 @@ def test_without_lm_eval_eval_py_says_how_to_install_it():
 def test_an_empty_context_is_the_end_of_text_token_or_the_first_byte(tokenizer):
     import eval
     from lm_eval.api.instance import Instance
-    tok = prepare.get_tokenizer(tokenizer)
+    tok = tokenizer_or_skip(tokenizer)
     model = random_model(vocab_size=tok.vocab_size, block_size=BLOCK)
     lm = eval.make_lm(model, tok)
     text = " the cat sat"

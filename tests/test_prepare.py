@@ -9,18 +9,11 @@ import numpy as np
 import pytest
 
 from configurator import UserError, run_main
-from prepare import DownloadError, get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens
+from prepare import get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens
 
-from conftest import ROOT, SHARED
+from conftest import ROOT, SHARED, tokenizer_or_skip
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé → ✓\n" * 20
-
-
-def tokenizer_or_skip(name):
-    try:
-        return get_tokenizer(name)
-    except DownloadError as e:
-        pytest.skip(f"tiktoken cannot load {name} offline (point TIKTOKEN_CACHE_DIR at shared/tiktoken): {e}")
 
 
 def write(path, text):

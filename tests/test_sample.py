@@ -11,7 +11,7 @@ import sample
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig, sample_next
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, tokenizer_or_skip
 
 BLOCK = 12  # a short context, so that a generation slides its window after a few tokens
 
@@ -235,6 +235,7 @@ def test_prompt_from_a_file(tmp_path, capsys):
     ("gpt2", 1024, " the hello", r"' hello' \(token id 23748\) is outside its vocabulary of 1024 ids \(1 such token"),
 ])
 def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, tokenizer, vocab, start, message):
+    tokenizer_or_skip(tokenizer)
     path = save_model(tmp_path / "ckpt.pt", random_model(vocab_size=vocab), tokenizer=tokenizer)
     with pytest.raises(UserError, match=message):
         run_sample(capsys, path, f"--start={start}")
