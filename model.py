@@ -618,7 +618,7 @@ class DiffEqFormer(nn.Module):
         if not self.cfg.is_ode:
             raise ValueError(f"only ODE models (diffeq, shared) can be materialised, not a {self.cfg.model_type} model")
         steps, _ = self.check_steps(steps, "euler")
-        cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps})
+        cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps, "solver": "euler"})
         sd = {k: v for k, v in self.state_dict().items() if not k.startswith(("hyper.", "block."))}
         for k, w in enumerate(self.step_weights(steps, "euler", self.wte.weight.device)):
             for name, (weight, bias) in w.items():

@@ -1,9 +1,11 @@
 # The default CPU run trained for any depth (README, "Any depth without fine-tuning"): every iteration
-# draws its Euler step count from 3..9, and the time embedding turns 100 x slower than the authors'
-# (time_scale 10, not 1000), so that W(t) varies smoothly between the times of different step counts.
-# Measured over 1000 iterations: usable from 3 to 16 steps without fine-tuning (2.04-2.12 nats/byte),
-# at 0.08 nats/byte above the default run at its own 6 steps.
+# draws its step count from 3..9, integrates with RK4, and the time embedding turns 100 x slower than
+# the authors' (time_scale 10, not 1000). Trained through an accurate solver, the model learns a vector
+# field whose flow is good, not one discrete map: measured over 1000 iterations, RK4 at 3 to 12 steps
+# is within 0.03 nats/byte of its best (1.931 at 6 steps, below the default run's 1.958), and midpoint
+# and Euler converge to the same flow as their steps grow. An iteration costs 4 x the default's.
 include("shakespeare.py")
 out_dir = "out-anydepth"
 train_steps = "3-9"
 time_scale = 10.0
+solver = "rk4"

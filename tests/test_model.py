@@ -68,6 +68,14 @@ def test_bf16_autocast_forward_matches_fp32(flavor):
     assert (low.float() - reference).abs().max() < 0.05 * reference.abs().max()
 
 
+def test_an_ode_trained_with_rk4_materialises_its_euler_steps():
+    """materialize is Euler whatever solver the ODE was trained with; the layers run with their defaults."""
+    model = randomized(tiny(solver="rk4")).eval()
+    layers = model.materialize(4).eval()
+    assert layers.cfg.solver == "euler"
+    assert (layers(tokens())[0] - model(tokens(), steps=4, solver="euler")[0]).abs().max() < 1e-5
+
+
 def test_materialized_model_refuses_other_depths_and_solvers():
     layers = randomized(tiny()).materialize(4)
     with pytest.raises(ValueError, match="4 fixed layers"):
