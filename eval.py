@@ -191,8 +191,7 @@ def load_lm(path, cfg, env):
     model.to(env.device)
     steps, solver = sample.solver_args(model, cfg, path)
     mcfg = model.cfg
-    depth = (f"{steps or mcfg.n_layer} {solver or mcfg.solver} steps" if mcfg.is_ode else f"{mcfg.n_layer} layers")
-    info = dict(checkpoint=path, label=f"{mcfg.model_type} ({mcfg.flavor}), {depth}", model_type=mcfg.model_type,
+    info = dict(checkpoint=path, label=sample.describe(model, steps, solver), model_type=mcfg.model_type,
                 flavor=mcfg.flavor, steps=steps or mcfg.n_layer, solver=solver or mcfg.solver, tokenizer=tokenizer)
     return make_lm(model, prepare.get_tokenizer(tokenizer), steps=steps, solver=solver, env=env,
                    batch_size=cfg.batch_size, max_gen_toks=cfg.max_gen_toks, info=info)

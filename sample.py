@@ -60,22 +60,12 @@ class SampleConfig:
 
 # -- any checkpoint -> a model in eval mode ---------------------------------------------------------
 
-def kind_of(path):
-    """The kind a checkpoint file says it holds (tensors are memory-mapped, not read), or None, in which
-    case checkpoints.load says what is wrong with the file."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return None
-    return ckpt.get("kind") if isinstance(ckpt, dict) else None
-
-
 def load_model(path):
     """(model on the CPU in eval mode, tokenizer name) from a model checkpoint of any model type (a full
     fine-tune and a merged one are ordinary model checkpoints) or from a LoRA adapters file."""
-    if kind_of(path) == checkpoints.ADAPTERS:
+    ckpt = checkpoints.load(path, kind=(checkpoints.MODEL, checkpoints.ADAPTERS))
+    if ckpt["kind"] == checkpoints.ADAPTERS:
         return load_adapters(path)
-    ckpt = checkpoints.load(path, kind=checkpoints.MODEL)
     with torch.device("meta"):
         model = DiffEqFormer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(checkpoints.clean_state_dict(ckpt["model"]), assign=True)
@@ -98,6 +88,13 @@ def solver_args(model, cfg, path):
                         f"cannot run with {asked}: only an ODE checkpoint (diffeq or shared) has a depth that is a "
                         f"solver step count")
     return cfg.steps or None, cfg.solver or None
+
+
+def describe(model, steps, solver):
+    """"diffeq (gpt), 6 euler steps" or "baseline (llama), 12 layers": the model as it will run."""
+    cfg = model.cfg
+    depth = f"{steps or cfg.n_layer} {solver or cfg.solver} steps" if cfg.is_ode else f"{cfg.n_layer} layers"
+    return f"{cfg.model_type} ({cfg.flavor}), {depth}"
 
 
 # -- prompt ---------------------------------------------------------------------------------------------
@@ -155,9 +152,7 @@ def main(argv):
     for row in y.tolist():
         print(tok.decode([i for i in row if i < tok.vocab_size]))  # the padding ids of a padded vocabulary have no text
         print("---------------")
-    mcfg = model.cfg
-    depth = (f"{steps or mcfg.n_layer} {solver or mcfg.solver} steps" if mcfg.is_ode else f"{mcfg.n_layer} layers")
-    print(f"{cfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), {depth}; {cfg.num_samples} x {cfg.max_new_tokens} "
+    print(f"{cfg.init_from}: {describe(model, steps, solver)}; {cfg.num_samples} x {cfg.max_new_tokens} "
           f"tokens in {dt:.2f} s ({cfg.num_samples * cfg.max_new_tokens / dt:,.0f} tokens/s{', compile included' * cfg.compile})",
           file=sys.stderr)
 
