@@ -193,6 +193,8 @@ def test_time_embedding_and_generated_weight_follow_spec3():
     omega = np.exp(-np.log(10000.0) * np.arange(S) / S)
     e = np.array([[t, *np.sin(1000 * t * omega), *np.cos(1000 * t * omega)] for t in ts.numpy().astype(np.float64)])
     assert np.allclose(model.hyper.time_embedding(ts).numpy(), e, atol=1e-4)
+    smooth = np.array([[t, *np.sin(10 * t * omega), *np.cos(10 * t * omega)] for t in ts.numpy().astype(np.float64)])
+    assert np.allclose(randomized(tiny(time_scale=10.0)).hyper.time_embedding(ts).numpy(), smooth, atol=1e-6)
 
     proj = model.hyper.proj
     P = {k: v.detach().double().numpy() for k, v in proj.state_dict().items()}
