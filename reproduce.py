@@ -1,0 +1,411 @@
+"""
+Reproduce the paper's experiments at laptop scale: every number and figure of results/README.md.
+
+    python reproduce.py                     # about an hour on 2 CPU cores; run again to resume
+    python reproduce.py --quick             # every job for a few iterations: checks the pipeline (~5 min)
+
+Each experiment is a run of this repository's own tools (train.py, finetune.py, depth.py, analyze.py)
+in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
+A finished job leaves a `done` file in its folder under --runs and is skipped when the script is run
+again. Jobs that depend on a learning-rate sweep (a second seed, the ablations, the pretraining for
+fine-tuning) are built when the sweep has finished. At the end the results are summarised into
+results/results.json, the figures in results/figures/, and the tables of results/README.md (between
+its `<!-- results:NAME -->` markers; the prose around them is written by hand).
+
+The experiments (Tong et al., ICLR 2025; results/README.md says what each one shows):
+1. Table 1: GPT, weight sharing and DiffEqFormer at the same width and depth (6 layers / steps), and
+   the Llama-flavour pair, each with its own learning-rate sweep; a second seed at each best rate.
+2. Ablations of DiffEqFormer: the authors' init vs the GPT-like one, beta2, d_t (App. D.1).
+3. Fig. 5: an 18-step DiffEqFormer and a 24-layer GPT pretrained on tiny Shakespeare, fine-tuned on
+   WikiText-2 with LoRA and fully, the ODE at 9, 12, 18 and 24 steps.
+4. Adaptive compute: validation loss against step count and solver, for the authors' training and
+   the any-depth training (config/anydepth.py).
+5. The analysis figures (Fig. 2, Fig. 3): spectra of the ODE and the GPT, clustering, Lyapunov.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+import prepare
+from configurator import UserError, parse_config, run_main
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(ROOT, "results")
+
+ITERS = 500  # iterations of every pretraining run (the CPU default shape: width 128, 6 layers/steps)
+FINETUNE_ITERS = 100
+LEARNING_RATES = (1.5e-3, 3e-3, 6e-3)  # twice apart, around the best of a 500-iteration run
+SEEDS = (1337, 1338)
+MODELS = {  # key: (label, train.py options)
+    "gpt": ("GPT", ["--model_type=baseline"]),
+    "shared": ("weight sharing", ["--model_type=shared"]),
+    "diffeq": ("DiffEqFormer", ["--model_type=diffeq"]),
+    "llama": ("Llama", ["--model_type=baseline", "--flavor=llama"]),
+    "diffeq-llama": ("DiffEqFormer (Llama)", ["--model_type=diffeq", "--flavor=llama"]),
+}
+ABLATIONS = {  # key: (label, options added to DiffEqFormer at its best learning rate)
+    "init-reference": ("init = reference (authors')", ["--init=reference"]),
+    "beta2-0.95": ("beta2 = 0.95", ["--beta2=0.95"]),
+    "beta2-0.999": ("beta2 = 0.999", ["--beta2=0.999"]),
+    "dt-4": ("d_t = 4", ["--d_t=4"]),
+    "dt-8": ("d_t = 8", ["--d_t=8"]),
+    "dt-32": ("d_t = 32", ["--d_t=32"]),
+}
+FINETUNE_STEPS = (9, 12, 18, 24)
+FINETUNE_LR = {"lora": 2e-3, "full": 1e-3}
+DEPTH_STEPS = "4,6,8,12,18,24,36"
+
+
+@dataclass
+class ReproduceConfig:
+    runs: str = "runs/reproduce"  # a folder for every job's output and log
+    jobs: int = 2  # subprocesses at a time, one thread each
+    quick: bool = False  # a few iterations per job: checks the pipeline, the numbers mean nothing
+    data_root: str = "data"
+
+    def __post_init__(self):
+        if self.jobs < 1:
+            raise ValueError(f"jobs={self.jobs} must be at least 1")
+
+
+# -- jobs -------------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """A command of this repository; `argv` may be a function of the finished jobs' results (a best
+    learning rate), called when every job in `after` has finished."""
+    name: str
+    argv: object  # list of arguments after `python`, or a function (results) -> that list
+    after: tuple = ()
+    cost: float = 1.0  # relative running time: the longest ready job starts first
+    out: str = field(default="", init=False)
+
+
+def final_val_loss(run_dir):
+    """The last validation loss of a train.py or finetune.py run, from its log.jsonl."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl"))]
+    return [r for r in rows if "val_loss" in r][-1]["val_loss"]
+
+
+def best_learning_rate(losses):
+    """The learning rate with the lowest final validation loss, from {lr: loss} (a tie: the smaller)."""
+    return min(sorted(losses), key=lambda lr: losses[lr])
+
+
+def plan(cfg):
+    """Every job of the five experiments, in no particular order (run() orders them)."""
+    q = cfg.quick
+    iters, ft_iters = (4, 2) if q else (ITERS, FINETUNE_ITERS)
+    evals = ["--eval_iters=2"] if q else []
+    common = [f"--data_root={cfg.data_root}", f"--max_iters={iters}", f"--eval_interval={iters // 2}", *evals]
+    runs = cfg.runs
+
+    def train(name, options, lr, seed=SEEDS[0]):
+        return ["train.py", *options, *common, f"--learning_rate={lr}", f"--seed={seed}", f"--out_dir={runs}/{name}"]
+
+    def sweep_of(model):
+        return tuple(f"{model}-lr{lr:g}" for lr in LEARNING_RATES)
+
+    def best(model):  # a function of the results, for a Job's argv
+        return lambda results: best_learning_rate({lr: results[f"{model}-lr{lr:g}"] for lr in LEARNING_RATES})
+
+    def best_run(model):
+        return lambda results: f"{runs}/{model}-lr{best(model)(results):g}"
+
+    jobs = []
+    for model, (_, options) in MODELS.items():  # 1. Table 1
+        cost = 1.3 if "llama" in model else 1.0
+        jobs += [Job(f"{model}-lr{lr:g}", train(f"{model}-lr{lr:g}", options, lr), cost=cost) for lr in LEARNING_RATES]
+        jobs.append(Job(f"{model}-seed2", lambda r, m=model, o=options: train(f"{m}-seed2", o, best(m)(r), SEEDS[1]),
+                        after=sweep_of(model), cost=cost))
+    diffeq = MODELS["diffeq"][1]
+    for name, (_, options) in ABLATIONS.items():  # 2. ablations, at DiffEqFormer's best learning rate
+        jobs.append(Job(name, lambda r, n=name, o=options: train(n, diffeq + o, best("diffeq")(r)),
+                        after=sweep_of("diffeq")))
+    # 3. Fig. 5: pretrain on tiny Shakespeare (the default dataset), fine-tune on WikiText-2 (finetune.py's)
+    jobs.append(Job("pretrain18", lambda r: train("pretrain18", diffeq + ["--n_layer=18"], best("diffeq")(r)),
+                    after=sweep_of("diffeq"), cost=3.0))
+    jobs.append(Job("gpt24", lambda r: train("gpt24", MODELS["gpt"][1] + ["--n_layer=24"], best("gpt")(r)),
+                    after=sweep_of("gpt"), cost=4.0))
+    ft_common = [f"--data_root={cfg.data_root}", f"--max_iters={ft_iters}", f"--eval_interval={ft_iters // 2}", *evals]
+    for kind in ("lora", "full"):
+        flag = "--lora" if kind == "lora" else "--no-lora"
+        for steps in FINETUNE_STEPS:
+            name = f"ft-ode{steps}-{kind}"
+            jobs.append(Job(name, ["finetune.py", f"--init_from={runs}/pretrain18/ckpt.pt", f"--steps={steps}", flag,
+                                   f"--learning_rate={FINETUNE_LR[kind]}", *ft_common, f"--out_dir={runs}/{name}"],
+                            after=("pretrain18",), cost=steps / 6 * ft_iters / ITERS))
+        jobs.append(Job(f"ft-gpt24-{kind}", ["finetune.py", f"--init_from={runs}/gpt24/ckpt.pt", flag,
+                                             f"--learning_rate={FINETUNE_LR[kind]}", *ft_common,
+                                             f"--out_dir={runs}/ft-gpt24-{kind}"], after=("gpt24",), cost=0.8))
+    # 4. adaptive compute: the any-depth option set (config/anydepth.py), trained like the others
+    jobs.append(Job("anydepth", lambda r: train("anydepth", ["config/anydepth.py"], best("diffeq")(r)),
+                    after=sweep_of("diffeq"), cost=4.0))
+    depth = ["depth.py", "--steps=4,6" if q else f"--steps={DEPTH_STEPS}", "--eval_iters=1" if q else "--eval_iters=10"]
+    jobs.append(Job("depth-authors", lambda r: depth + [f"--init_from={best_run('diffeq')(r)}/ckpt.pt",
+                                                         f"--out={runs}/depth-authors"], after=sweep_of("diffeq")))
+    jobs.append(Job("depth-anydepth", depth + [f"--init_from={runs}/anydepth/ckpt.pt", f"--out={runs}/depth-anydepth"],
+                    after=("anydepth",)))
+    # 5. analysis of the best DiffEqFormer and GPT of Table 1, and the particle simulation
+    times = "--times=8" if q else "--times=100"
+    jobs.append(Job("analyze-diffeq", lambda r: ["analyze.py", "--spectral", "--lyapunov", times,
+                                                 f"--init_from={best_run('diffeq')(r)}/ckpt.pt",
+                                                 f"--out={runs}/analyze-diffeq"], after=sweep_of("diffeq"), cost=0.5))
+    jobs.append(Job("analyze-gpt", lambda r: ["analyze.py", "--spectral", f"--init_from={best_run('gpt')(r)}/ckpt.pt",
+                                              f"--out={runs}/analyze-gpt"], after=sweep_of("gpt"), cost=0.3))
+    jobs.append(Job("analyze-cluster", ["analyze.py", "--cluster", f"--out={runs}/analyze-cluster"], cost=0.3))
+    for job in jobs:
+        job.out = os.path.join(runs, job.name)
+    return jobs
+
+
+def run(jobs, workers, results_of):
+    """Run the jobs, `workers` at a time with one thread each, a job once everything in its `after` is
+    done; skips jobs whose folder holds `done`. Returns the names of the jobs that failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    pending = {job.name: job for job in jobs}
+    done = {name for name, job in pending.items() if os.path.exists(os.path.join(job.out, "done"))}
+    failed, running = set(), {}
+    bar = tqdm(total=len(jobs), initial=len(done), desc="jobs", dynamic_ncols=True)
+    for name in done:
+        del pending[name]
+    while pending or running:
+        for name in [n for n, job in pending.items() if any(a in failed for a in job.after)]:
+            failed.add(name)  # never runs: something it needs failed (its own dependents follow next pass)
+            del pending[name]
+            bar.update()
+        ready = sorted((job for job in pending.values() if all(a in done for a in job.after)), key=lambda j: -j.cost)
+        while ready and len(running) < workers:
+            job = ready.pop(0)
+            del pending[job.name]
+            argv = job.argv(results_of(done)) if callable(job.argv) else job.argv
+            os.makedirs(job.out, exist_ok=True)
+            log = open(os.path.join(job.out, "stdout.log"), "w")
+            running[job.name] = (job, subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
+                                                       stderr=subprocess.STDOUT), log, time.time())
+        bar.set_postfix_str(", ".join(running))
+        time.sleep(0.5)
+        for name, (job, proc, log, start) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[name]
+            if proc.returncode == 0:
+                with open(os.path.join(job.out, "done"), "w") as f:
+                    f.write(f"{time.time() - start:.1f}\n")
+                done.add(name)
+            else:
+                failed.add(name)
+                bar.write(f"{name} failed (exit {proc.returncode}): see {os.path.join(job.out, 'stdout.log')}")
+            bar.update()
+    bar.close()
+    return sorted(failed)
+
+
+
+# -- the summary: results.json, figures, the tables of results/README.md --------------------------------
+
+def results_of(runs):
+    """{job name: final validation loss} of the finished training and fine-tuning jobs, for the jobs that
+    depend on them (the best learning rate of a sweep)."""
+    def losses(done):
+        return {name: final_val_loss(os.path.join(runs, name)) for name in done
+                if os.path.exists(os.path.join(runs, name, "log.jsonl"))}
+    return losses
+
+
+def num_params(run_dir):
+    import checkpoints
+    from model import DiffEqFormer, ModelConfig
+    return DiffEqFormer(ModelConfig(**checkpoints.load(os.path.join(run_dir, "ckpt.pt"))["model_config"])).num_params()
+
+
+def mean_spread(values):
+    """The mean and half the range of a few seeds' losses: the table's "a +- b"."""
+    return float(np.mean(values)), float(np.ptp(values) / 2)
+
+
+def summarise(runs):
+    """Every number of the page, from the jobs' logs and outputs, as one dict."""
+    loss = lambda name: final_val_loss(os.path.join(runs, name))
+    sweeps = {m: {lr: loss(f"{m}-lr{lr:g}") for lr in LEARNING_RATES} for m in MODELS}
+    best = {m: best_learning_rate(sweep) for m, sweep in sweeps.items()}
+    table1 = {}
+    for m, (label, _) in MODELS.items():
+        seeds = [sweeps[m][best[m]], loss(f"{m}-seed2")]
+        table1[m] = dict(label=label, params=num_params(os.path.join(runs, f"{m}-lr{best[m]:g}")), learning_rate=best[m],
+                         seeds=seeds, mean=mean_spread(seeds)[0], spread=mean_spread(seeds)[1])
+    reference = dict(label="default (init = gpt, beta2 = 0.99, d_t = 16)", params=table1["diffeq"]["params"],
+                     val_loss=sweeps["diffeq"][best["diffeq"]])
+    ablations = {"default": reference, **{name: dict(label=label, params=num_params(os.path.join(runs, name)), val_loss=loss(name))
+                                          for name, (label, _) in ABLATIONS.items()}}
+    finetune = {}
+    for name in [f"ft-ode{n}-{k}" for k in ("lora", "full") for n in FINETUNE_STEPS] + ["ft-gpt24-lora", "ft-gpt24-full"]:
+        r = json.load(open(os.path.join(runs, name, "results.json")))
+        finetune[name] = dict(steps=r["steps"], lora=r["lora"], trainable=r["trainable_params"],
+                              before=r["before"]["val_loss"], after=r["after"]["val_loss"])
+    pretrain = {n: dict(val_loss=loss(n), params=num_params(os.path.join(runs, n))) for n in ("pretrain18", "gpt24")}
+    depth = {n: json.load(open(os.path.join(runs, f"depth-{n}", "depth.json")))["results"] for n in ("authors", "anydepth")}
+    anydepth_loss = loss("anydepth")
+    seconds = {job: float(open(os.path.join(runs, job, "done")).read()) for job in sorted(os.listdir(runs))
+               if os.path.exists(os.path.join(runs, job, "done"))}
+    return dict(iters=ITERS, finetune_iters=FINETUNE_ITERS, sweeps={m: {f"{lr:g}": v for lr, v in s.items()} for m, s in sweeps.items()},
+                table1=table1, ablations=ablations, pretrain=pretrain, finetune=finetune, depth=depth,
+                anydepth_val_loss=anydepth_loss, job_seconds=seconds)
+
+
+def tables(r):
+    """{marker name: markdown} for results/README.md."""
+    t1 = ["| model | parameters | best learning rate | val loss, seed 1 / seed 2 | mean +- half range | perplexity |",
+          "|---|---|---|---|---|---|"]
+    for row in r["table1"].values():
+        t1.append(f"| {row['label']} | {row['params'] / 1e6:.2f}M | {row['learning_rate']:g} | "
+                  f"{' / '.join(f'{v:.4f}' for v in row['seeds'])} | {row['mean']:.4f} +- {row['spread']:.4f} | "
+                  f"{np.exp(row['mean']):.2f} |")
+    sweep = ["| model | " + " | ".join(f"lr {lr:g}" for lr in LEARNING_RATES) + " |", "|---" * (len(LEARNING_RATES) + 1) + "|"]
+    for m, losses in r["sweeps"].items():
+        low = min(losses.values())
+        sweep.append(f"| {MODELS[m][0]} | " + " | ".join(f"**{v:.4f}**" if v == low else f"{v:.4f}" for v in losses.values()) + " |")
+    ab = ["| DiffEqFormer | parameters | val loss | vs default |", "|---|---|---|---|"]
+    base = r["ablations"]["default"]["val_loss"]
+    for row in r["ablations"].values():
+        ab.append(f"| {row['label']} | {row['params'] / 1e6:.2f}M | {row['val_loss']:.4f} | {row['val_loss'] - base:+.4f} |")
+    ft = ["| model | fine-tuned as | LoRA: before -> after | full: before -> after |", "|---|---|---|---|"]
+    for label, key, depth in [("DiffEqFormer, 18 steps", f"ode{n}", f"{n} steps") for n in FINETUNE_STEPS] + \
+                             [("GPT, 24 layers", "gpt24", "24 layers")]:
+        lora, full = r["finetune"][f"ft-{key}-lora"], r["finetune"][f"ft-{key}-full"]
+        ft.append(f"| {label} | {depth} | {lora['before']:.4f} -> {lora['after']:.4f} | {full['before']:.4f} -> {full['after']:.4f} |")
+    depth = ["| steps | " + " | ".join(f"{t} {s}" for t in ("authors'", "any-depth") for s in ("euler", "midpoint", "rk4")) + " |",
+             "|---" * 7 + "|"]
+    for n in sorted({p["steps"] for p in r["depth"]["authors"]}):
+        cells = [p["val_loss"] for t in ("authors", "anydepth") for s in ("euler", "midpoint", "rk4")
+                 for p in r["depth"][t] if p["steps"] == n and p["solver"] == s]
+        depth.append(f"| {n} | " + " | ".join(f"{v:.4f}" for v in cells) + " |")
+    return dict(table1="\n".join(t1), sweep="\n".join(sweep), ablations="\n".join(ab), finetune="\n".join(ft),
+                adaptive="\n".join(depth))
+
+
+def fill_markers(text, tables):
+    """The page with the text between each `<!-- results:NAME -->` and `<!-- /results:NAME -->` replaced by
+    tables[NAME]; a marker without a table is left as it is, a table without a marker is an error."""
+    for name, body in tables.items():
+        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(<!-- /results:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise UserError(f"results/README.md has no <!-- results:{name} --> ... <!-- /results:{name} --> markers")
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def curve(run_dir, smooth=0.9):
+    """(iterations, training loss smoothed by an exponential moving average) from a run's log."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl"))]
+    its, values, ema = [], [], None
+    for row in rows:
+        if "loss" in row:
+            ema = row["loss"] if ema is None else smooth * ema + (1 - smooth) * row["loss"]
+            its.append(row["iter"])
+            values.append(ema)
+    return its, values
+
+
+def figures(r, runs, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out, exist_ok=True)
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for m, row in r["table1"].items():
+        line, = a.plot(*curve(os.path.join(runs, f"{m}-lr{row['learning_rate']:g}")), label=f"{row['label']} (lr {row['learning_rate']:g})")
+        b.plot(LEARNING_RATES, list(r["sweeps"][m].values()), "o-", color=line.get_color(), label=row["label"])
+    a.set(xlabel="iteration", ylabel="training loss (nats/byte, smoothed)", ylim=(None, 3.0), title="best learning rate, seed 1")
+    b.set(xscale="log", xlabel="learning rate", ylabel=f"validation loss at {r['iters']}", title="learning-rate sweep, seed 1")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save(fig, os.path.join(out, "table1.png"))
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    rows = [row for name, row in r["ablations"].items() if not name.startswith("dt-")]
+    a.barh([row["label"] for row in rows], [row["val_loss"] for row in rows], color="tab:blue")
+    a.set(xlim=(min(row["val_loss"] for row in rows) - 0.05, max(row["val_loss"] for row in rows) + 0.02),
+          xlabel="validation loss", title="DiffEqFormer: initialisation and beta2")
+    dts = sorted([(16, r["ablations"]["default"])] + [(int(n[3:]), row) for n, row in r["ablations"].items() if n.startswith("dt-")])
+    b.plot([row["params"] / 1e6 for _, row in dts], [row["val_loss"] for _, row in dts], "o-")
+    for d_t, row in dts:
+        b.annotate(f"d_t = {d_t}", (row["params"] / 1e6, row["val_loss"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    b.set(xlabel="parameters (millions)", ylabel="validation loss", title="DiffEqFormer: d_t (App. D.1)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    save(fig, os.path.join(out, "ablations.png"))
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for kind, style in (("lora", "o-"), ("full", "s-")):
+        rows = [r["finetune"][f"ft-ode{n}-{kind}"] for n in FINETUNE_STEPS]
+        line, = ax.plot(FINETUNE_STEPS, [row["after"] for row in rows], style, label=f"DiffEqFormer (18 steps), {kind}")
+        ax.axhline(r["finetune"][f"ft-gpt24-{kind}"]["after"], color=line.get_color(), ls="--", label=f"GPT 24 layers, {kind}")
+    ax.set(xlabel="fine-tuned steps N'", ylabel=f"validation loss after {r['finetune_iters']} iterations",
+           xticks=FINETUNE_STEPS, title="tiny Shakespeare -> WikiText-2 (Fig. 5)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, os.path.join(out, "finetune.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    for training, style in (("authors", "--"), ("anydepth", "-")):
+        for solver, color in (("euler", "tab:blue"), ("midpoint", "tab:orange"), ("rk4", "tab:green")):
+            rows = [p for p in r["depth"][training] if p["solver"] == solver]
+            for ax, x in zip(axes, ("steps", "evaluations")):
+                ax.plot([p[x] for p in rows], [p["val_loss"] for p in rows], style, marker="o", ms=3, color=color,
+                        label=f"{'authors’' if training == 'authors' else 'any-depth'} training, {solver}")
+    for ax, label in zip(axes, ("solver steps N", "vector-field evaluations")):
+        ax.set(xscale="log", xlabel=label, ylim=(None, 3.0))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (no fine-tuning)")
+    axes[0].legend(fontsize=7)
+    save(fig, os.path.join(out, "adaptive.png"))
+
+    for src, dst in (("analyze-diffeq/spectral_qk.png", "spectral_qk_diffeq.png"), ("analyze-gpt/spectral_qk.png", "spectral_qk_gpt.png"),
+                     ("analyze-diffeq/spectral_ov.png", "spectral_ov_diffeq.png"), ("analyze-gpt/spectral_ov.png", "spectral_ov_gpt.png"),
+                     ("analyze-cluster/cluster.png", "cluster.png"), ("analyze-diffeq/lyapunov.png", "lyapunov.png")):
+        shutil.copyfile(os.path.join(runs, src), os.path.join(out, dst))
+
+
+def save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def main(argv):
+    cfg, _ = parse_config(argv, ReproduceConfig)
+    for dataset in ("shakespeare", "wikitext2_test"):  # once, before the jobs that read them run side by side
+        prepare.prepare(dataset, "byte", data_root=cfg.data_root)
+    start = time.time()
+    failed = run(plan(cfg), cfg.jobs, results_of(cfg.runs))
+    if failed:
+        raise UserError(f"{len(failed)} jobs failed or could not run: {', '.join(failed)} (logs in {cfg.runs}/<job>/stdout.log); "
+                        f"run the same command again to retry them")
+    print(f"jobs finished in {(time.time() - start) / 60:.1f} min")
+    out = os.path.join(cfg.runs, "results") if cfg.quick else RESULTS  # a quick run never touches the page
+    r = summarise(cfg.runs)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(r, f, indent=1)
+    figures(r, cfg.runs, os.path.join(out, "figures"))
+    page = open(os.path.join(RESULTS, "README.md")).read()
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(fill_markers(page, tables(r)))
+    print(f"wrote {out}/README.md, results.json and figures/")
+
+
+if __name__ == "__main__":
+    run_main(main)
