@@ -6,8 +6,8 @@ Reproduce the paper's experiments at laptop scale: every number and figure of re
 
 Each experiment is a run of this repository's own tools (train.py, finetune.py, depth.py, analyze.py)
 in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
-A finished job leaves a `done` file in its folder under --runs and is skipped when the script is run
-again. Jobs that depend on a learning-rate sweep (a second seed, the ablations, the pretraining for
+A finished job leaves a `done` file with its command in its folder under --runs and is skipped when
+the script is run again with the same command for it. Jobs that depend on a learning-rate sweep (a second seed, the ablations, the pretraining for
 fine-tuning) are built when the sweep has finished. At the end the results are summarised into
 results/results.json, the figures in results/figures/, and the tables of results/README.md (between
 its `<!-- results:NAME -->` markers; the prose around them is written by hand).
@@ -42,7 +42,7 @@ RESULTS = os.path.join(ROOT, "results")
 
 ITERS = 500  # iterations of every pretraining run (the CPU default shape: width 128, 6 layers/steps)
 FINETUNE_ITERS = 100
-LEARNING_RATES = (1.5e-3, 3e-3, 6e-3)  # twice apart, around the best of a 500-iteration run
+LEARNING_RATES = (7.5e-4, 1.5e-3, 3e-3)  # twice apart
 SEEDS = (1337, 1338)
 MODELS = {  # key: (label, train.py options)
     "gpt": ("GPT", ["--model_type=baseline"]),
@@ -167,40 +167,50 @@ def plan(cfg):
     return jobs
 
 
+def finished(job, argv):
+    """Whether the job ran to the end with this very command (a changed best learning rate reruns it)."""
+    path = os.path.join(job.out, "done")
+    return os.path.exists(path) and json.load(open(path))["argv"] == argv
+
+
 def run(jobs, workers, results_of):
     """Run the jobs, `workers` at a time with one thread each, a job once everything in its `after` is
-    done; skips jobs whose folder holds `done`. Returns the names of the jobs that failed."""
+    done; a job that already finished with the same command is skipped. Returns the failed jobs' names."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
-    done = {name for name, job in pending.items() if os.path.exists(os.path.join(job.out, "done"))}
-    failed, running = set(), {}
-    bar = tqdm(total=len(jobs), initial=len(done), desc="jobs", dynamic_ncols=True)
-    for name in done:
-        del pending[name]
+    done, failed, running = set(), set(), {}
+    bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
     while pending or running:
         for name in [n for n, job in pending.items() if any(a in failed for a in job.after)]:
             failed.add(name)  # never runs: something it needs failed (its own dependents follow next pass)
             del pending[name]
             bar.update()
         ready = sorted((job for job in pending.values() if all(a in done for a in job.after)), key=lambda j: -j.cost)
-        while ready and len(running) < workers:
-            job = ready.pop(0)
-            del pending[job.name]
-            argv = job.argv(results_of(done)) if callable(job.argv) else job.argv
-            os.makedirs(job.out, exist_ok=True)
-            log = open(os.path.join(job.out, "stdout.log"), "w")
-            running[job.name] = (job, subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
-                                                       stderr=subprocess.STDOUT), log, time.time())
+        results = results_of(done) if any(callable(job.argv) for job in ready) else {}
+        for job in ready:
+            argv = job.argv(results) if callable(job.argv) else job.argv
+            if finished(job, argv):
+                del pending[job.name]
+                done.add(job.name)
+                bar.update()
+            elif len(running) < workers:
+                del pending[job.name]
+                os.makedirs(job.out, exist_ok=True)
+                if os.path.exists(os.path.join(job.out, "done")):
+                    os.remove(os.path.join(job.out, "done"))
+                log = open(os.path.join(job.out, "stdout.log"), "w")
+                running[job.name] = (job, argv, subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
+                                                                 stderr=subprocess.STDOUT), log, time.time())
         bar.set_postfix_str(", ".join(running))
-        time.sleep(0.5)
-        for name, (job, proc, log, start) in list(running.items()):
+        time.sleep(0.5 if running else 0)
+        for name, (job, argv, proc, log, start) in list(running.items()):
             if proc.poll() is None:
                 continue
             log.close()
             del running[name]
             if proc.returncode == 0:
                 with open(os.path.join(job.out, "done"), "w") as f:
-                    f.write(f"{time.time() - start:.1f}\n")
+                    json.dump(dict(seconds=round(time.time() - start, 1), argv=argv), f)
                 done.add(name)
             else:
                 failed.add(name)
@@ -208,7 +218,6 @@ def run(jobs, workers, results_of):
             bar.update()
     bar.close()
     return sorted(failed)
-
 
 
 # -- the summary: results.json, figures, the tables of results/README.md --------------------------------
@@ -255,7 +264,7 @@ def summarise(runs):
     pretrain = {n: dict(val_loss=loss(n), params=num_params(os.path.join(runs, n))) for n in ("pretrain18", "gpt24")}
     depth = {n: json.load(open(os.path.join(runs, f"depth-{n}", "depth.json")))["results"] for n in ("authors", "anydepth")}
     anydepth_loss = loss("anydepth")
-    seconds = {job: float(open(os.path.join(runs, job, "done")).read()) for job in sorted(os.listdir(runs))
+    seconds = {job: json.load(open(os.path.join(runs, job, "done")))["seconds"] for job in sorted(os.listdir(runs))
                if os.path.exists(os.path.join(runs, job, "done"))}
     return dict(iters=ITERS, finetune_iters=FINETUNE_ITERS, sweeps={m: {f"{lr:g}": v for lr, v in s.items()} for m, s in sweeps.items()},
                 table1=table1, ablations=ablations, pretrain=pretrain, finetune=finetune, depth=depth,

@@ -62,8 +62,10 @@ def test_run_orders_jobs_skips_finished_ones_and_stops_at_a_failure(tmp_path):
     assert failed == ["after-after-broken", "after-broken", "broken"]
     assert not (tmp_path / "never.txt").exists()
     a.write_text("changed")
-    assert reproduce.run(jobs[:2], 2, lambda done: {}) == []  # both are done: neither runs again
-    assert b.read_text() == "xfirst"
+    assert reproduce.run(jobs[:2], 2, lambda done: {name: name for name in done}) == []
+    assert b.read_text() == "xfirst"  # both finished with the same commands: neither ran again
+    assert reproduce.run(jobs[:2], 2, lambda done: {name: "!" for name in done}) == []
+    assert b.read_text() == "changed!"  # second's command changed with first's result: it ran again
 
 
 def test_fill_markers_replaces_only_between_markers():
