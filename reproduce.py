@@ -1,8 +1,8 @@
 """
 Reproduce the paper's experiments at laptop scale: every number and figure of results/README.md.
 
-    python reproduce.py                     # about an hour on 2 CPU cores; run again to resume
-    python reproduce.py --quick             # every job for a few iterations: checks the pipeline (~5 min)
+    python reproduce.py                     # about 75 minutes on 2 CPU cores; run again to resume
+    python reproduce.py --quick             # every job for a few iterations: checks the pipeline (~10 min)
 
 Each experiment is a run of this repository's own tools (train.py, finetune.py, depth.py, analyze.py)
 in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
