@@ -629,10 +629,15 @@ def model_config_for(mcfg, cfg, env, given, data):
             env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join('--' + k for k in ignored)}")
         return saved, ckpt
     if "vocab_size" not in given:
-        mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": vocab + (-vocab) % 64})  # padded to a multiple of 64
+        mcfg = with_vocab(mcfg, vocab)
     if mcfg.vocab_size < vocab:
         raise UserError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab}")
     return mcfg, None
+
+
+def with_vocab(mcfg, vocab):
+    """The config with the tokenizer's vocabulary, padded to a multiple of 64 (nanoGPT's 50257 -> 50304)."""
+    return ModelConfig(**{**mcfg.to_dict(), "vocab_size": vocab + (-vocab) % 64})
 
 
 def summary(model, cfg, env, data):
@@ -657,7 +662,9 @@ def summary(model, cfg, env, data):
 
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
-    if cfg.dry_run:
+    if cfg.dry_run:  # reads no data: a byte-token model's vocabulary is known, a tiktoken one's is GPT-2's default
+        if cfg.tokenizer == "byte" and "vocab_size" not in given:
+            mcfg = with_vocab(mcfg, 256)
         dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return
     if cfg.convert:

@@ -58,6 +58,7 @@ def test_scripts_find_their_config_files_from_another_directory(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--dry_run"], cwd=tmp_path,
                           capture_output=True, text=True)  # the default config, config/shakespeare.py
     assert done.returncode == 0 and "6 steps, d_t=16" in done.stdout, done.stderr
+    assert "3.4M parameters" in done.stdout  # byte tokens: the model that `python train.py` builds, not a GPT-2 vocabulary's
 
 
 def test_help_lists_every_key_with_its_default_and_comment(capsys):
