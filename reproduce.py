@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -86,7 +86,6 @@ class Job:
     argv: object  # list of arguments after `python`, or a function (results) -> that list
     after: tuple = ()
     cost: float = 1.0  # relative running time: the longest ready job starts first
-    out: str = field(default="", init=False)
 
 
 def final_val_loss(run_dir):
@@ -162,60 +161,70 @@ def plan(cfg):
     jobs.append(Job("analyze-gpt", lambda r: ["analyze.py", "--spectral", f"--init_from={best_run('gpt')(r)}/ckpt.pt",
                                               f"--out={runs}/analyze-gpt"], after=sweep_of("gpt"), cost=0.3))
     jobs.append(Job("analyze-cluster", ["analyze.py", "--cluster", f"--out={runs}/analyze-cluster"], cost=0.3))
-    for job in jobs:
-        job.out = os.path.join(runs, job.name)
     return jobs
 
 
-def finished(job, argv):
-    """Whether the job ran to the end with this very command (a changed best learning rate reruns it)."""
-    path = os.path.join(job.out, "done")
+def finished(folder, argv):
+    """Whether the job in `folder` ran to the end with this very command (a changed best learning rate
+    reruns it)."""
+    path = os.path.join(folder, "done")
     return os.path.exists(path) and json.load(open(path))["argv"] == argv
 
 
-def run(jobs, workers, results_of):
-    """Run the jobs, `workers` at a time with one thread each, a job once everything in its `after` is
-    done; a job that already finished with the same command is skipped. Returns the failed jobs' names."""
+def run(jobs, workers, results_of, runs):
+    """Run the jobs, `workers` at a time with one thread each, each in its folder runs/<name>, a job once
+    everything in its `after` is done; a job that already finished with the same command is skipped.
+    The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
     done, failed, running = set(), set(), {}
     bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
+
+    def end(name, ok):
+        pending.pop(name, None)
+        (done if ok else failed).add(name)
+        bar.update()
+
     while pending or running:
         for name in [n for n, job in pending.items() if any(a in failed for a in job.after)]:
-            failed.add(name)  # never runs: something it needs failed (its own dependents follow next pass)
-            del pending[name]
-            bar.update()
+            end(name, False)  # never runs: something it needs failed (its own dependents follow next pass)
         ready = sorted((job for job in pending.values() if all(a in done for a in job.after)), key=lambda j: -j.cost)
         results = results_of(done) if any(callable(job.argv) for job in ready) else {}
+        skipped = False
         for job in ready:
             argv = job.argv(results) if callable(job.argv) else job.argv
-            if finished(job, argv):
-                del pending[job.name]
-                done.add(job.name)
-                bar.update()
+            folder = os.path.join(runs, job.name)
+            if finished(folder, argv):
+                end(job.name, True)
+                skipped = True
             elif len(running) < workers:
                 del pending[job.name]
-                os.makedirs(job.out, exist_ok=True)
-                if os.path.exists(os.path.join(job.out, "done")):
-                    os.remove(os.path.join(job.out, "done"))
-                log = open(os.path.join(job.out, "stdout.log"), "w")
-                running[job.name] = (job, argv, subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
-                                                                 stderr=subprocess.STDOUT), log, time.time())
+                os.makedirs(folder, exist_ok=True)
+                if os.path.exists(os.path.join(folder, "done")):
+                    os.remove(os.path.join(folder, "done"))
+                log = open(os.path.join(folder, "stdout.log"), "w")
+                proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                running[job.name] = (folder, argv, proc, log, time.time())
+        if skipped:
+            continue  # their dependents may be ready now
+        if not running:
+            for name in list(pending):  # waiting for jobs that are not in the plan: nothing can start
+                end(name, False)
+            break
         bar.set_postfix_str(", ".join(running))
-        time.sleep(0.5 if running else 0)
-        for name, (job, argv, proc, log, start) in list(running.items()):
+        while all(proc.poll() is None for _, _, proc, _, _ in running.values()):
+            time.sleep(0.5)
+        for name, (folder, argv, proc, log, start) in list(running.items()):
             if proc.poll() is None:
                 continue
             log.close()
             del running[name]
             if proc.returncode == 0:
-                with open(os.path.join(job.out, "done"), "w") as f:
+                with open(os.path.join(folder, "done"), "w") as f:
                     json.dump(dict(seconds=round(time.time() - start, 1), argv=argv), f)
-                done.add(name)
             else:
-                failed.add(name)
-                bar.write(f"{name} failed (exit {proc.returncode}): see {os.path.join(job.out, 'stdout.log')}")
-            bar.update()
+                bar.write(f"{name} failed (exit {proc.returncode}): see {os.path.join(folder, 'stdout.log')}")
+            end(name, proc.returncode == 0)
     bar.close()
     return sorted(failed)
 
@@ -399,7 +408,7 @@ def main(argv):
     for dataset in ("shakespeare", "wikitext2_test"):  # once, before the jobs that read them run side by side
         prepare.prepare(dataset, "byte", data_root=cfg.data_root)
     start = time.time()
-    failed = run(plan(cfg), cfg.jobs, results_of(cfg.runs))
+    failed = run(plan(cfg), cfg.jobs, results_of(cfg.runs), cfg.runs)
     if failed:
         raise UserError(f"{len(failed)} jobs failed or could not run: {', '.join(failed)} (logs in {cfg.runs}/<job>/stdout.log); "
                         f"run the same command again to retry them")

@@ -664,7 +664,7 @@ def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
     if cfg.dry_run:  # reads no data: a byte-token model's vocabulary is known, a tiktoken one's is GPT-2's default
         if cfg.tokenizer == "byte" and "vocab_size" not in given:
-            mcfg = with_vocab(mcfg, 256)
+            mcfg = with_vocab(mcfg, prepare.get_tokenizer("byte").vocab_size)
         dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return
     if cfg.convert:

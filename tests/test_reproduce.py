@@ -55,16 +55,14 @@ def test_run_orders_jobs_skips_finished_ones_and_stops_at_a_failure(tmp_path):
         Job("after-broken", python(f"open({str(tmp_path / 'never.txt')!r}, 'w')"), after=("broken",)),
         Job("after-after-broken", python("pass"), after=("after-broken",)),
     ]
-    for job in jobs:
-        job.out = str(tmp_path / job.name)
-    failed = reproduce.run(jobs, 2, lambda done: {name: name for name in done})
+    failed = reproduce.run(jobs, 2, lambda done: {name: name for name in done}, tmp_path)
     assert b.read_text() == "xfirst"  # second ran after first, with first's result
     assert failed == ["after-after-broken", "after-broken", "broken"]
     assert not (tmp_path / "never.txt").exists()
     a.write_text("changed")
-    assert reproduce.run(jobs[:2], 2, lambda done: {name: name for name in done}) == []
+    assert reproduce.run(jobs[:2], 2, lambda done: {name: name for name in done}, tmp_path) == []
     assert b.read_text() == "xfirst"  # both finished with the same commands: neither ran again
-    assert reproduce.run(jobs[:2], 2, lambda done: {name: "!" for name in done}) == []
+    assert reproduce.run(jobs[:2], 2, lambda done: {name: "!" for name in done}, tmp_path) == []
     assert b.read_text() == "changed!"  # second's command changed with first's result: it ran again
 
 
@@ -82,3 +80,17 @@ def test_the_page_has_a_marker_for_every_table():
     page = open(os.path.join(reproduce.RESULTS, "README.md")).read()
     for name in ("table1", "sweep", "ablations", "finetune", "adaptive"):
         assert f"<!-- results:{name} -->" in page and f"<!-- /results:{name} -->" in page
+
+
+def test_the_committed_page_holds_the_tables_of_its_results_json():
+    """results/README.md is what reproduce.py writes from results/results.json, and the table's mean and
+    perplexity are those of the seeds' losses."""
+    import math
+    r = json.load(open(os.path.join(reproduce.RESULTS, "results.json")))
+    page = open(os.path.join(reproduce.RESULTS, "README.md")).read()
+    tables = reproduce.tables(r)
+    assert reproduce.fill_markers(page, tables) == page
+    for row in r["table1"].values():
+        mean = sum(row["seeds"]) / len(row["seeds"])
+        spread = (max(row["seeds"]) - min(row["seeds"])) / 2
+        assert f"| {mean:.4f} +- {spread:.4f} | {math.exp(mean):.2f} |" in tables["table1"]
