@@ -1,35 +1,21 @@
 """
 DiffEqFormer: a transformer whose depth is time (Tong et al., "Neural ODE Transformers", ICLR 2025).
 
-The hidden state X(t) of the token sequence follows the non-autonomous ODE (SPEC 1)
+The hidden state X(t) of the tokens follows the non-autonomous ODE (METHOD 1)
 
     dX/dt = F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)),      t in [0, 1]
 
-where every weight of attention A_t, feed-forward M_t and the norms N_t is a continuous function of
-t, produced by a small hypernetwork from a sinusoidal time embedding (SPEC 3). A "layer" is one
-solver step (SPEC 2): N Euler steps cost exactly what an N-layer transformer costs.
+where every weight of attention A_t, feed-forward M_t and the norms N_t is a function of t, made by
+a small hypernetwork from a sinusoidal time embedding (METHOD 3). A "layer" is one solver step
+(METHOD 2): N Euler steps cost what an N-layer transformer costs. One file serves every model of
+the paper (METHOD 4): `model_type` says where the weights of step k come from (the hypernetwork,
+one shared block, per-layer parameters) and `flavor` picks GPT (LayerNorm, GELU, learned
+positions, biases, tied head) or Llama (RMSNorm, RoPE, SwiGLU, no biases, untied head).
 
-One file serves every model of the paper; they differ only in where the weights of step k come
-from and how the residual is added (SPEC 4, 5):
-
-    model_type     weights of step k                   residual update                     h
-    -----------    ---------------------------------   ---------------------------------   ----
-    baseline       per-layer parameters (GPT / Llama)  sequential: x += A(n1 x); x += M(n2 x)  1
-    shared         one block, reused at every step     parallel: x += h (A(n1 x) + M(n2 x))   1/N
-    diffeq         hypernet(t_k), one call per forward parallel                              1/N
-    materialized   per-layer parameters = hypernet(t_k) parallel (what finetune.py trains)    1/N
-
-and `flavor` picks GPT (LayerNorm, GELU, learned positions, biases, tied head) or Llama (RMSNorm,
-RoPE, SwiGLU, no biases, untied head). One `attention`, one `mlp`, one `norm` serve them all.
-
-Differences from nanoGPT: the parallel residual and 1/N step size of the ODE models; weights as
-functions of t; `steps` and `solver` are per-call arguments; `materialize` turns the ODE into an
-ordinary transformer of any depth; `generate` decodes as gpt-fast does, with static KV caches (one per
-evaluation of F) and the ODE's weights generated once, so that a token costs what it costs a GPT.
-
-Precision: the time grid t_k, the time features e(t) and RoPE's tables are computed in float32, or
-in the parameters' dtype when it is wider, so a float64 model agrees with an exact computation to
-~1e-13 (bf16 rounding of t, times the scale 1000, would scramble the sinusoids).
+Differences from nanoGPT: the parallel residual and 1/N step of the ODE models; weights as functions
+of t; `steps` and `solver` are arguments of each call; `materialize` turns the ODE into an ordinary
+transformer of any depth (METHOD 5). Times, time features and RoPE tables are never narrower than
+float32 (bf16 rounding of t, times the scale 1000, would scramble the sinusoids).
 """
 import functools
 import hashlib
@@ -44,10 +30,10 @@ from torch.utils.checkpoint import checkpoint
 MODEL_TYPES = ("diffeq", "shared", "baseline", "materialized")
 FLAVORS = ("gpt", "llama")
 INITS = ("reference", "gpt")
-# Fixed-step solvers over [0, 1] and the times of their stages, as fractions of a step (SPEC 2).
-# Euler takes the weights at the END of each step, t_k = (k + 1) / N, as the reference does.
+# Fixed-step solvers and the times of their stages within a step, as fractions of it (METHOD 2).
+# Euler takes the weights at the END of each step, t_k = (k + 1) / N, as the authors do.
 SOLVERS = {"euler": (1.0,), "midpoint": (0.0, 0.5), "rk4": (0.0, 0.5, 0.5, 1.0)}
-MAX_STEPS = 1024  # the step loop is unrolled into the compiled graph; beyond this it stops making sense
+MAX_STEPS = 1024  # the step loop is unrolled into a compiled graph; beyond this it makes no sense
 EPS = 1e-5  # LayerNorm and RMSNorm epsilon
 
 
@@ -57,32 +43,31 @@ class ModelConfig:
     flavor: str = "gpt"  # "gpt" or "llama"
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64
     block_size: int = 1024  # longest sequence
-    n_layer: int = 12  # solver steps of the ODE models (default per call), layers of the others
+    n_layer: int = 12  # solver steps of the ODE models (default of each call), layers of the others
     n_head: int = 12
     n_embd: int = 768
     ffn_dim: int = 0  # hidden width of the feed-forward block; 0 means 4 * n_embd
-    d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (SPEC 3)
+    d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (METHOD 3)
     time_freqs: int = 128  # S, the number of sinusoid frequencies in e(t)
-    time_scale: float = 1000.0  # the frequency scale of e(t)'s sinusoids (the reference's 1000; smaller is smoother in t)
+    time_scale: float = 1000.0  # frequency scale of e(t) (the paper's 1000; smaller: smoother in t)
     solver: str = "euler"  # default solver: "euler", "midpoint" or "rk4"
-    dropout: float = 0.0  # on embeddings and residual branches (and, in the baselines, attention probabilities)
-    init: str = "reference"  # "reference" (the authors', the paper's runs) or "gpt" (B_W like GPT's weights)
+    dropout: float = 0.0  # on embeddings and residual branches (baselines: attention probs too)
+    init: str = "reference"  # "reference" (the authors') or "gpt" (B_W like GPT's weights)
     checkpoint: bool = False  # recompute each vector-field evaluation in the backward pass
 
     def __post_init__(self):
-        if self.ffn_dim == 0:
-            self.ffn_dim = 4 * self.n_embd
-        problems = []
-        for name, allowed in (("model_type", MODEL_TYPES), ("flavor", FLAVORS), ("init", INITS), ("solver", tuple(SOLVERS))):
-            if getattr(self, name) not in allowed:
-                problems.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_dim", "d_t", "time_freqs"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        self.ffn_dim = self.ffn_dim or 4 * self.n_embd
+        problems = [f"{k}={getattr(self, k)!r} is not one of {', '.join(allowed)}" for k, allowed in
+                    (("model_type", MODEL_TYPES), ("flavor", FLAVORS), ("init", INITS),
+                     ("solver", tuple(SOLVERS))) if getattr(self, k) not in allowed]
+        sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_dim", "d_t",
+                 "time_freqs")
+        problems += [f"{k}={getattr(self, k)} must be at least 1" for k in sizes
+                     if getattr(self, k) < 1]
         if self.n_head >= 1 and self.n_embd % self.n_head:
             problems.append(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
         elif self.flavor == "llama" and (self.n_embd // max(self.n_head, 1)) % 2:
-            problems.append(f"RoPE needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}")
+            problems.append(f"RoPE needs an even head size, got {self.n_embd // self.n_head}")
         if self.n_layer > MAX_STEPS:
             problems.append(f"n_layer={self.n_layer} is more than {MAX_STEPS} steps")
         if not self.time_scale > 0:
@@ -106,13 +91,13 @@ def time_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------
-# The block maths, written once. `w` maps a weight name to a (weight, bias) pair of tensors; the
-# weights may be parameters (GPT, Llama, shared, materialised) or generated for one time t.
+# --------------------------------------------------------------------------------------------------
+# The block maths, written once (METHOD 1). `w` maps a weight name to a (weight, bias) pair; the
+# weights are parameters (GPT, Llama, shared, materialised) or generated for one time t (diffeq).
 
 def norm(x, weight, bias, flavor):
-    """LayerNorm (biased variance, eps 1e-5) for GPT, RMSNorm for Llama; gain and bias given (generated
-    ones come out of autocast in bf16, so they take the dtype of the residual stream)."""
+    """LayerNorm (biased variance) for GPT, RMSNorm for Llama. Generated gains come out of autocast
+    in bf16, so they take the residual stream's dtype."""
     weight = weight.to(x.dtype)
     if flavor == "llama":
         return F.rms_norm(x, (x.size(-1),), weight, EPS)
@@ -120,10 +105,11 @@ def norm(x, weight, bias, flavor):
 
 
 def rope_tables(pos, head_size, dtype=torch.float32, base=10000.0):
-    """cos and sin of the rotary angles at the absolute positions pos (T,), each (T, head_size), in the
-    rotate-half layout of Llama."""
+    """cos and sin of the rotary angles at absolute positions pos (T,), each (T, head_size), in
+    Llama's rotate-half layout."""
     dtype = time_dtype(dtype)
-    inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, device=pos.device, dtype=dtype) / head_size)
+    i = torch.arange(0, head_size, 2, device=pos.device, dtype=dtype)
+    inv_freq = 1.0 / base ** (i / head_size)  # (hs/2,)
     angles = torch.outer(pos.to(dtype), inv_freq)  # (T, hs/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
     return angles.cos(), angles.sin()
@@ -135,29 +121,30 @@ def apply_rope(x, cos, sin):
 
 
 def attention(x, w, cfg, rope, dropout, mask=None, cache=None):
-    """Causal multi-head self-attention A_t(Y) of SPEC 1, with fused QKV and output projection.
+    """Causal multi-head self-attention A_t(Y) (METHOD 1), fused QKV, then the output projection.
 
     mask (T, S), True where a query may see a key, replaces the plain causal mask where that is not
-    enough: decoding with a KV cache, or a RoPE model reading more than block_size tokens. cache, while
-    decoding, is (KVCache of this evaluation, cache slots (T,) of x's tokens): their keys and values are
-    written there and the queries attend to the whole cache (gpt-fast's static cache)."""
+    enough: decoding with a KV cache, or a RoPE model reading more than block_size tokens. cache,
+    while decoding, is (KVCache of this evaluation, slots (T,) of x's tokens): their keys and values
+    are written there and the queries attend to the whole cache (gpt-fast's static cache)."""
     B, T, C = x.size()
     q, k, v = F.linear(x, *w["attn"]).split(C, dim=2)
-    q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+    q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))
+    # q, k, v: (B, nh, T, hs)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     if cache is not None:
         kv, slots = cache
         k, v = kv.update(slots, k, v)  # (B, nh, max_len, hs): every position so far
-    # attention-probability dropout only in the baselines (nanoGPT's): the reference ODE block has none (SPEC 3)
+    # attention-probability dropout in the baselines only (nanoGPT's): the authors' ODE has none
     p = dropout if cfg.model_type == "baseline" else 0.0
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)  # flash on CUDA
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
     y = y.transpose(1, 2).reshape(B, T, C)
     return F.dropout(F.linear(y, *w["proj"]), dropout, dropout > 0)
 
 
 def mlp(x, w, cfg, dropout):
-    """Feed-forward M_t(Y): GPT-2's tanh-GELU MLP, or Llama's SwiGLU (SPEC 1)."""
+    """Feed-forward M_t(Y): GPT-2's tanh-GELU MLP, or Llama's SwiGLU (METHOD 1)."""
     if cfg.flavor == "llama":
         y = F.linear(F.silu(F.linear(x, *w["gate"])) * F.linear(x, *w["up"]), *w["down"])
     else:
@@ -166,91 +153,50 @@ def mlp(x, w, cfg, dropout):
 
 
 def vector_field(x, w, cfg, rope, dropout, mask=None, cache=None):
-    """F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)): attention and MLP in parallel on the same state (SPEC 1)."""
+    """F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)): attention and MLP in parallel on X (METHOD 1)"""
     return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
             + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout))
 
 
 def sequential_block(x, w, cfg, rope, dropout, mask=None, cache=None):
-    """The GPT / Llama baseline layer: pre-norm, attention then MLP, one after the other (SPEC 4)."""
+    """The GPT / Llama baseline layer: pre-norm attention, then the MLP (METHOD 4)."""
     x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
     return x + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout)
 
 
-class KVCache(nn.Module):
-    """The keys and values that one evaluation of attention has computed, preallocated for max_len
-    positions (gpt-fast's static cache): decoding a token then runs one position through each layer
-    instead of the whole prefix. Position p lives in slot p % max_len, so a RoPE model can go on past
-    max_len, each token seeing the last max_len positions (a sliding window, one token at a time)."""
-
-    def __init__(self, batch_size, n_head, max_len, head_size, device=None, dtype=None):
-        super().__init__()
-        shape = (batch_size, n_head, max_len, head_size)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-    def update(self, slots, k, v):
-        """Write the keys and values k, v (B, nh, T, hs) into slots (T,); return the whole cache."""
-        self.k[:, :, slots] = k
-        self.v[:, :, slots] = v
-        return self.k, self.v
-
-
-def sliding_window_mask(pos, key_pos, window):
-    """(T, S), True where the query at absolute position pos[i] sees the key at key_pos[j]: causal, and at
-    most `window` positions back (itself included)."""
-    offset = pos[:, None] - key_pos[None, :]
-    return (offset >= 0) & (offset < window)
-
-
-def checkpointed(fn):
-    """fn, recomputed in the backward pass instead of keeping its activations (dropout masks replayed)."""
-    return functools.partial(checkpoint, fn, use_reentrant=False)
-
-
 def block_shapes(cfg):
-    """(in, out, has_bias) of every linear weight of a block, by name; the names are shared by all models."""
+    """(in, out, has_bias) of every linear weight of a block, by name; all models share the names"""
     C, H, bias = cfg.n_embd, cfg.ffn_dim, cfg.flavor == "gpt"
-    ffn = dict(gate=(C, H), up=(C, H), down=(H, C)) if cfg.flavor == "llama" else dict(fc=(C, H), fc2=(H, C))
-    return {name: (i, o, bias) for name, (i, o) in dict(attn=(C, 3 * C), proj=(C, C), **ffn).items()}
+    llama = cfg.flavor == "llama"
+    ffn = dict(gate=(C, H), up=(C, H), down=(H, C)) if llama else dict(fc=(C, H), fc2=(H, C))
+    shapes = dict(attn=(C, 3 * C), proj=(C, C), **ffn)
+    return {name: (i, o, bias) for name, (i, o) in shapes.items()}
 
 
 RESIDUAL_PROJECTIONS = ("proj", "fc2", "down")  # the layers that write into the residual stream
 
 
-def hyper_shapes(cfg):
-    """The weights the hypernetwork generates: the block's, except that the Llama flavour generates the
-    query, key and value projections with a time MLP z(t) each, as the authors' ODE Llama does (their
-    GPT, and ours, generate the fused c_attn under one z); HyperNetwork concatenates them into the
-    block's fused (3C, C) `attn` weight, so that attention stays one matmul."""
-    shapes = block_shapes(cfg)
-    if cfg.flavor == "llama":
-        C = cfg.n_embd
-        shapes = {"q": (C, C, False), "k": (C, C, False), "v": (C, C, False),
-                  **{name: shape for name, shape in shapes.items() if name != "attn"}}
-    return shapes
-
-
 def stage_times(steps, solver, device=None, dtype=torch.float32):
-    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps (SPEC 2)."""
+    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / N, METHOD 2"""
     c = torch.tensor(SOLVERS[solver], device=device, dtype=dtype)
     k = torch.arange(steps, device=device, dtype=dtype)[:, None]
     return ((k + c) / steps).flatten()
 
 
-# ----------------------------------------------------------------------------------------------
-# Time-dependent weights: the hypernetwork of SPEC 3.
+# --------------------------------------------------------------------------------------------------
+# Time-dependent weights: the hypernetwork (METHOD 3).
 
 class TimeEmbedding(nn.Module):
-    """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S); (T,) -> (T, 2S+1),
-    in the dtype of t (at least float32: see the module docstring)."""
+    """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S):
+    (T,) -> (T, 2S+1), in the dtype of t (at least float32: see the module docstring)."""
 
     def __init__(self, S, scale=1000.0, max_period=10000.0):
         super().__init__()
         self.S, self.scale, self.max_period = S, scale, max_period
 
     def forward(self, ts):
-        omega = torch.exp(-math.log(self.max_period) * torch.arange(self.S, device=ts.device, dtype=ts.dtype) / self.S)
+        j = torch.arange(self.S, device=ts.device, dtype=ts.dtype)
+        omega = torch.exp(-math.log(self.max_period) * j / self.S)  # (S,)
         angles = self.scale * ts[:, None] * omega  # (T, S)
         return torch.cat((ts[:, None], angles.sin(), angles.cos()), dim=-1)  # (T, 2S+1)
 
@@ -268,12 +214,11 @@ class TimeMLP(nn.Module):
 
 
 class TimeDependentLinear(nn.Module):
-    """W(t) = reshape(A_W z(t) + B_W) and b(t) = C_W z(t) (SPEC 3), for all times at once.
+    """W(t) = reshape(A_W z(t) + B_W) and b(t) = C_W z(t) (METHOD 3), for all times at once.
 
     A_W is (out*in, d_t), B_W (out*in,), C_W (out, d_t). W(t) comes out flat, (T, out*in), fresh
-    from one matmul for every time (a module output that is a view upsets FSDP2's backward hooks);
-    HyperNetwork gives it the (out, in) layout of nn.Linear.weight.
-    """
+    from one matmul (a module output that is a view upsets FSDP2's backward hooks); HyperNetwork
+    gives it nn.Linear.weight's (out, in) layout."""
 
     def __init__(self, cfg, d_in, d_out, bias):
         super().__init__()
@@ -288,14 +233,14 @@ class TimeDependentLinear(nn.Module):
 
     @staticmethod
     def generate(z, A_W, B_W, C_W=None):
-        """W(t) flat (T, rows of A_W) and b(t) (T, rows of C_W) from z(t) (T, d_t): the formula, for all
-        rows of A_W, B_W, C_W, or for the rows that one process holds (weightgen.py)."""
+        """W(t) flat (T, rows of A_W) and b(t) (T, rows of C_W) from z(t) (T, d_t): for all rows, or
+        for the rows one process holds (scale/weightgen.py)."""
         W = torch.addmm(B_W, z, A_W.t())  # (T, out*in)
         return W, (z @ C_W.t() if C_W is not None else None)  # (T, out)
 
 
 class TimeDependentNorm(nn.Module):
-    """gain(t) = 1 + G z(t), bias(t) = H z(t) with G, H zero-initialised (SPEC 3); no bias for RMSNorm."""
+    """gain(t) = 1 + G z(t), bias(t) = H z(t), G and H zero at init (METHOD 3); RMSNorm: no bias."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -308,14 +253,26 @@ class TimeDependentNorm(nn.Module):
 
     @staticmethod
     def generate(z, G, H=None):
-        """gain(t) and bias(t) (T, rows of G, H) from z(t) (T, d_t), as TimeDependentLinear.generate."""
+        """gain(t) and bias(t) (T, rows of G, H) from z(t) (T, d_t)."""
         return 1 + z @ G.t(), (z @ H.t() if H is not None else None)  # (T, C) each
 
 
+def hyper_shapes(cfg):
+    """The weights the hypernetwork generates: the block's, but the Llama flavour generates the
+    query, key and value projections under a time MLP each, as the authors' ODE Llama does (METHOD
+    3); they are concatenated into the block's fused `attn` again."""
+    shapes = block_shapes(cfg)
+    if cfg.flavor == "llama":
+        C = cfg.n_embd
+        shapes = {"q": (C, C, False), "k": (C, C, False), "v": (C, C, False),
+                  **{name: shape for name, shape in shapes.items() if name != "attn"}}
+    return shapes
+
+
 class HyperNetwork(nn.Module):
-    """All block weights of the vector field as functions of t: forward(ts) -> {name: (W, b)}, each
-    stacked over the times, (T, ...), with the block's names. Only e(t) is shared; every weight has
-    its own time MLP (SPEC 3; the Llama flavour's q, k, v one each: see hyper_shapes)."""
+    """Every block weight of the vector field as a function of t: forward(ts) -> {name: (W, b)},
+    each stacked over the times, (T, ...), with the block's names. Only e(t) is shared; each weight
+    has its own time MLP (METHOD 3)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -326,32 +283,34 @@ class HyperNetwork(nn.Module):
 
     def forward(self, ts):
         e = self.time_embedding(ts).to(self.ln_1.G.dtype)  # (T, 2S+1)
-        return self.assemble({name: m(e) for name, m in self.named_children() if name != "time_embedding"})
+        units = {name: m for name, m in self.named_children() if name != "time_embedding"}
+        return self.assemble({name: m(e) for name, m in units.items()})
 
     def assemble(self, generated):
-        """{module name: (W flat (..., out*in) or gain (..., C), b)}, as the modules generate them, -> the
-        block's {name: (W (..., out, in), b)}, each W in nn.Linear's layout and the Llama flavour's q, k, v
-        fused into `attn`; for the weights of all times (T, ...) or of one time."""
+        """{module name: (W flat (..., out*in) or gain (..., C), b)}, as the modules make them ->
+        the block's {name: (W (..., out, in), b)}, the Llama flavour's q, k, v fused into `attn`."""
         out = {}
         for name, (W, b) in generated.items():
             m = getattr(self, name)
-            out[name] = (W.unflatten(-1, m.shape), b) if isinstance(m, TimeDependentLinear) else (W, b)  # (..., out, in)
+            linear = isinstance(m, TimeDependentLinear)
+            out[name] = (W.unflatten(-1, m.shape), b) if linear else (W, b)  # (..., out, in)
         if "q" in out:  # Llama: W_attn(t) = [W_q(t); W_k(t); W_v(t)], (..., 3C, C)
             out["attn"] = (torch.cat([out.pop(name)[0] for name in ("q", "k", "v")], dim=-2), None)
         return out
 
 
 def unbind_times(w):
-    """{name: (W, b)} stacked over T times -> [{name: (W(t), b(t))} for each time]. unbind, not w[j]:
-    the backward of indexing writes a full-size zero tensor per index, quadratic in the step count."""
-    per_name = {name: [t.unbind(0) if t is not None else None for t in pair] for name, pair in w.items()}
+    """{name: (W, b)} stacked over T times -> [{name: (W(t), b(t))} for each time]. unbind, not
+    w[j]: the backward of indexing writes a full-size zero tensor per index, quadratic in steps."""
+    per_name = {n: [None if t is None else t.unbind(0) for t in pair] for n, pair in w.items()}
     T = len(next(iter(per_name.values()))[0])
-    return [{name: tuple(None if t is None else t[j] for t in pair) for name, pair in per_name.items()} for j in range(T)]
+    return [{n: tuple(None if t is None else t[j] for t in pair) for n, pair in per_name.items()}
+            for j in range(T)]
 
 
 class Block(nn.Module):
-    """One set of block weights held as ordinary parameters: a GPT or Llama layer, the shared
-    ODE block, or one step of a materialised ODE. Same names as HyperNetwork's outputs."""
+    """One set of block weights held as ordinary parameters: a GPT or Llama layer, the shared ODE
+    block, or one step of a materialised ODE. The same names as HyperNetwork's outputs."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -364,46 +323,72 @@ class Block(nn.Module):
         return {name: (m.weight, getattr(m, "bias", None)) for name, m in self.named_children()}
 
     def forward(self, x, cfg, rope, dropout, mask=None, cache=None):
-        """One layer: the sequential baseline block, or one Euler step x + F(x)/N of a materialised ODE."""
+        """One layer: the sequential baseline block, or one Euler step x + F(x)/N of a
+        materialised ODE."""
+        w = self.weights()
         if cfg.model_type == "baseline":
-            return sequential_block(x, self.weights(), cfg, rope, dropout, mask, cache)
-        return x + (1.0 / cfg.n_layer) * vector_field(x, self.weights(), cfg, rope, dropout, mask, cache)
+            return sequential_block(x, w, cfg, rope, dropout, mask, cache)
+        return x + (1.0 / cfg.n_layer) * vector_field(x, w, cfg, rope, dropout, mask, cache)
 
 
-INIT_BLOCK = 1 << 20  # random initial values are drawn in blocks of about this many, each with its own seed
+class KVCache(nn.Module):
+    """The keys and values one evaluation of attention has computed, for max_len positions
+    (gpt-fast's static cache): decoding a token runs one position through each layer, not the whole
+    prefix. Position p lives in slot p % max_len, so a RoPE model can go on past max_len, each token
+    seeing the last max_len positions (a sliding window)."""
+
+    def __init__(self, batch_size, n_head, max_len, head_size, device=None, dtype=None):
+        super().__init__()
+        shape = (batch_size, n_head, max_len, head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, slots, k, v):
+        """Write the keys and values k, v (B, nh, T, hs) into slots (T,); return the whole cache."""
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
+        return self.k, self.v
+
+
+def sliding_window_mask(pos, key_pos, window):
+    """(T, S), True where the query at position pos[i] sees the key at key_pos[j]: causal, and at
+    most `window` positions back (itself included)."""
+    offset = pos[:, None] - key_pos[None, :]
+    return (offset >= 0) & (offset < window)
 
 
 def seeded_normal_(rows, std, key, first=0, total=None):
-    """Fill `rows`, rows first.. of a parameter with `total` rows, with N(0, std^2) values drawn in blocks
-    of whole rows (about INIT_BLOCK values), each from a generator seeded by (key, block): every row gets
-    the same value whichever process holds it, at the cost of drawing at most two blocks more."""
+    """Fill `rows`, rows first.. of a parameter of `total` rows, with N(0, std^2) values drawn in
+    blocks of whole rows (about 2^20 values), each from a generator seeded by (key, block): a row
+    gets the same value whichever process holds it (FSDP2 shards: scale/parallel.py)."""
     total = rows.size(0) if total is None else total
     if rows.numel() == 0:
         return rows
     flat = rows.view(rows.size(0), -1)  # (n, values per row)
-    per_block = max(1, INIT_BLOCK // flat.size(1))  # rows per block
+    per_block = max(1, (1 << 20) // flat.size(1))  # rows per block
     generator = torch.Generator(rows.device)
     end = first + rows.size(0)
     for block in range(first // per_block, (end - 1) // per_block + 1):
         lo, hi = block * per_block, min((block + 1) * per_block, total)
         digest = hashlib.blake2b(f"{key}/{block}".encode(), digest_size=8).digest()
         generator.manual_seed(int.from_bytes(digest, "little") >> 1)
-        values = torch.empty(hi - lo, flat.size(1), device=rows.device, dtype=rows.dtype).normal_(0, std, generator=generator)
+        values = torch.empty(hi - lo, flat.size(1), device=rows.device, dtype=rows.dtype)
+        values.normal_(0, std, generator=generator)
         a, b = max(lo, first), min(hi, end)
         flat[a - first:b - first] = values[a - lo:b - lo]
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class DiffEqFormer(nn.Module):
-    """Token embedding -> integrate dX/dt = F(X, t) over [0, 1] (or run the layers) -> norm -> logits."""
+    """Token embedding -> integrate dX/dt = F(X, t) over [0, 1] (or run the layers) -> logits."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # the seed of init_weights, drawn before the modules' own default inits use the RNG (which a
-        # build on the meta device skips), so that a meta build draws the one-process build's seed
+        # init_weights' seed, drawn before the modules' default inits use the RNG (a build on the
+        # meta device skips those), so that a meta build draws the seed a one-process build draws
         self.init_seed = int(torch.randint(2 ** 62, (), device="cpu"))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.flavor == "gpt" else None
@@ -413,52 +398,44 @@ class DiffEqFormer(nn.Module):
             self.block = Block(cfg)
         else:
             self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.RMSNorm(cfg.n_embd, eps=EPS) if cfg.flavor == "llama" else nn.LayerNorm(cfg.n_embd, eps=EPS)
-        # GPT ties the head to the token embedding (used directly in forward, so no tie can break)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False) if cfg.flavor == "llama" else None
-        self._weight_cache = {}
-        self.kv_caches, self.decode_weights, self.cache_steps = None, None, None  # see setup_caches
+        Norm = nn.RMSNorm if cfg.flavor == "llama" else nn.LayerNorm
+        self.ln_f = Norm(cfg.n_embd, eps=EPS)
+        # GPT ties the head to the token embedding (forward uses wte.weight: no tie can break)
+        llama = cfg.flavor == "llama"
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False) if llama else None
+        self.kv_caches, self.cached_weights, self.cache_steps = None, None, None  # setup_caches
         self.init_weights()
 
-    # -- initialisation (SPEC 3) -------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, local=None):
-        """SPEC 3. Reference init (the default, so that the paper's runs are reproduced as they were
-        trained): every linear weight and A_W N(0, 0.02^2), biases 0 (B_W included), C_W N(0, 1e-4^2),
-        norm G, H zero; the ODE starts as almost the identity map. With init="gpt", B_W starts like a
-        GPT weight (N(0, 0.02^2), residual projections / sqrt(2 n_layer)), so the ODE starts as a
-        weight-shared GPT. The ODE's position embeddings start at N(0, 0.01^2) whatever `init` is.
-
-        The random values depend only on init_seed (drawn from torch's global RNG), the parameter's name and
-        the row (seeded_normal_), so a process that holds some rows of a parameter can draw just
-        those: `local(p)` -> (the rows of p held here, the index of the first), for FSDP's shards
-        (train.build). A model built on the meta device is left to be initialised that way."""
+        """METHOD 3.3: the authors' init (A_W 0.02, B_W 0: the ODE starts near the identity map), or
+        init="gpt" (B_W as a GPT weight: the ODE starts as a weight-shared GPT). Values depend on
+        init_seed, the parameter's name and the row only, so a process holding some rows of a
+        parameter draws just those: `local(p)` -> (its rows held here, the first one's index)."""
         if self.wte.weight.is_meta:
             return
         local = local or (lambda p: (p, 0))
-        seed = self.init_seed
         cfg, std = self.cfg, 0.02
         resid_std = std / math.sqrt(2 * cfg.n_layer)
 
         def normal(name, p, s):
             rows, first = local(p)
-            seeded_normal_(rows, s, f"{seed}/{name}", first, p.size(0))
+            seeded_normal_(rows, s, f"{self.init_seed}/{name}", first, p.size(0))
 
         def fill(p, value):
-            local(p)[0].fill_(value)
+            if p is not None:
+                local(p)[0].fill_(value)
 
         for name, m in self.named_modules():
             resid = name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS
             if isinstance(m, nn.Linear):
                 normal(f"{name}.weight", m.weight, resid_std if resid else std)
-                if m.bias is not None:
-                    fill(m.bias, 0.0)
+                fill(m.bias, 0.0)
             elif isinstance(m, nn.Embedding):
                 normal(f"{name}.weight", m.weight, 0.01 if m is self.wpe and cfg.is_ode else std)
             elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
                 fill(m.weight, 1.0)
-                if getattr(m, "bias", None) is not None:
-                    fill(m.bias, 0.0)
+                fill(getattr(m, "bias", None), 0.0)
             elif isinstance(m, TimeDependentLinear):
                 normal(f"{name}.A_W", m.A_W, std)
                 if cfg.init == "gpt":
@@ -468,68 +445,59 @@ class DiffEqFormer(nn.Module):
                 if m.C_W is not None:
                     normal(f"{name}.C_W", m.C_W, 1e-4)
             elif isinstance(m, TimeDependentNorm):
-                for p in (m.G, m.H):
-                    if p is not None:
-                        fill(p, 0.0)
+                fill(m.G, 0.0)
+                fill(m.H, 0.0)
 
-    # -- sizes ---------------------------------------------------------------------------------
     def num_params(self, non_embedding=False):
-        """Parameters, tied weights counted once; non_embedding leaves out token and position tables."""
+        """Parameters, tied weights counted once; non_embedding leaves out the embedding tables."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
         return n
 
-    # -- the forward pass ------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None, input_pos=None,
-                last_only=False):
-        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or None.
-
-        offsets (steps,) in [0, 1) move each Euler step's time back inside its step, t_k = (k + 1 -
-        offsets_k) / N: training at random times makes W(t) meaningful between the grid points.
-        weights: the block weights at every stage time, as step_weights returns them (offsets included),
-        to use instead of generating them here (train.py generates them once per optimizer step: weightgen.py).
-        input_pos (T,): the absolute positions of idx's tokens, to decode through the KV caches of
-        setup_caches (prefill: the prompt at 0..T-1; then one token at a time). last_only: logits of the
-        last position only, (B, 1, vocab), which is all that sampling needs (the head is the largest
-        matmul of a small model). A RoPE model reads a sequence longer than block_size with a sliding
-        attention window of block_size positions; learned positions stop at block_size."""
+    # -- the forward pass --------------------------------------------------------------------------
+    def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None,
+                input_pos=None, last_only=False):
+        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or
+        None.
+        offsets (steps,): Euler's times moved back inside their steps (step_weights). weights: an
+        ODE's weights at every stage time, as step_weights makes them (train.py makes them once per
+        optimizer step). input_pos (T,): the positions of idx's tokens, decoded through the KV
+        caches of setup_caches. last_only: the logits of the last position only, (B, 1, vocab)."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
-        if offsets is not None and (not cfg.is_ode or solver != "euler" or offsets.shape != (steps,)):
-            raise ValueError(f"offsets need an ODE model, the euler solver and one offset per step ({steps})")
         B, T = idx.size()
         if T > cfg.block_size and (cfg.flavor == "gpt" or input_pos is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
         if last_only and targets is not None:
-            raise ValueError("last_only=True computes the logits of one position: no loss against targets")
+            raise ValueError("last_only=True computes one position's logits: no loss to targets")
         dropout = cfg.dropout if self.training else 0.0
         pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos  # (T,)
-        x = self.wte(idx)
+        x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(pos)
         x = F.dropout(x, dropout, dropout > 0)
-        rope = rope_tables(pos, cfg.n_embd // cfg.n_head, x.dtype) if cfg.flavor == "llama" else None
+        hs = cfg.n_embd // cfg.n_head
+        rope = rope_tables(pos, hs, x.dtype) if cfg.flavor == "llama" else None
         mask = caches = None  # plain causal attention
-        if input_pos is not None:
-            if self.kv_caches is None or self.cache_steps != (steps, solver):
-                raise ValueError(f"decoding with steps={steps}, solver={solver!r} needs setup_caches(batch_size, "
-                                 f"max_len, steps={steps}, solver={solver!r}) first")
-            if T > self.kv_caches[0].k.size(2):
-                raise ValueError(f"{T} tokens do not fit in KV caches of {self.kv_caches[0].k.size(2)} positions")
-            mask, slots = self.cache_mask(input_pos)
-            caches = [(kv, slots) for kv in self.kv_caches]
+        if input_pos is not None:  # decoding: the ODE's weights are those setup_caches generated
+            mask, caches = self.cache_mask(input_pos, steps, solver, T)
+            weights = self.cached_weights
         elif T > cfg.block_size:
             mask = sliding_window_mask(pos, pos, cfg.block_size)
-        x = self.integrate(x, steps, solver, rope, dropout, offsets, weights, mask, caches)
+        if offsets is not None:  # any-depth training (METHOD 8): Euler's times moved in their steps
+            if weights is not None or not cfg.is_ode:
+                raise ValueError("offsets move an ODE's generated times: give them without weights")
+            weights = self.step_weights(steps, solver, offsets)
+        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, caches)
         if last_only:
             x = x[:, -1:]
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.ln_f(x), head)
+        logits = F.linear(self.ln_f(x), head)  # (B, T, vocab)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.to(time_dtype(logits.dtype)).view(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-1)
+            logits_ = logits.to(time_dtype(logits.dtype)).view(-1, logits.size(-1))
+            loss = F.cross_entropy(logits_, targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def check_steps(self, steps, solver):
@@ -541,35 +509,50 @@ class DiffEqFormer(nn.Module):
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         if not cfg.is_ode and (steps != cfg.n_layer or solver != "euler"):
-            raise ValueError(f"a {cfg.model_type} model has {cfg.n_layer} fixed layers: only steps={cfg.n_layer} with "
-                             f"the euler solver; materialize a diffeq model to change its depth")
+            raise ValueError(f"a {cfg.model_type} model has {cfg.n_layer} fixed layers: only steps="
+                             f"{cfg.n_layer} with the euler solver; materialize a diffeq model to "
+                             f"change its depth")
         return steps, solver
 
-    def integrate(self, x, steps, solver, rope, dropout, offsets=None, weights=None, mask=None, caches=None):
-        """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model.
-        While decoding, caches[j] is the KV cache of evaluation j of F (a solver stage, or layer j), and
-        the ODE takes the weights that setup_caches generated."""
+    def times(self, steps, solver, offsets=None):
+        """stage_times in the time dtype on the model's device; Euler's moved back inside their
+        steps by offsets (steps,) in [0, 1): t_k = (k + 1 - offsets_k) / N (METHOD 8)."""
+        ts = stage_times(steps, solver, self.wte.weight.device, time_dtype(self.wte.weight.dtype))
+        if offsets is not None:
+            if solver != "euler" or offsets.shape != (steps,):
+                raise ValueError(f"offsets need the euler solver and one offset per step ({steps})")
+            ts = ts - offsets.to(ts) / steps
+        return ts
+
+    def step_weights(self, steps, solver, offsets=None):
+        """The block weights at every stage time, [{name: (weight, bias)}, ...]: ONE hypernetwork
+        call for all of them (METHOD 3), or the shared block at every time."""
+        if self.cfg.model_type == "shared":
+            return [self.block.weights()] * (steps * len(SOLVERS[solver]))
+        return unbind_times(self.hyper(self.times(steps, solver, offsets)))
+
+    def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, caches=None):
+        """X(1) from X(0): `steps` solver steps of the ODE with weights[j] at evaluation j of F
+        (METHOD 2), or the layers of a discrete model; caches[j]: the KV cache of evaluation j."""
         cfg = self.cfg
+
+        def run(fn, *args):  # activation checkpointing: keep fn's input, recompute the rest
+            return checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
+
         recompute = cfg.checkpoint and self.training
-        if weights is not None and (not cfg.is_ode or offsets is not None or len(weights) != steps * len(SOLVERS[solver])):
-            raise ValueError(f"weights for {len(weights)} stage times given; {steps} {solver} steps of a {cfg.model_type} "
-                             f"model need {steps * len(SOLVERS[solver]) if cfg.is_ode else 'none'} (offsets go into the weights)")
         if not cfg.is_ode:
             for layer, cache in zip(self.layers, caches or [None] * cfg.n_layer):
-                x = (checkpointed(layer) if recompute else layer)(x, cfg, rope, dropout, mask, cache)
+                x = run(layer, x, cfg, rope, dropout, mask, cache)
             return x
-        f = checkpointed(vector_field) if recompute else vector_field
-        if caches is not None:
-            W = self.decode_weights
-        elif weights is not None:
-            W = weights
-        else:  # the block weights at every stage time, in order
-            W = self.step_weights(steps, solver, x.device, offsets)
-        caches = caches or [None] * len(W)  # evaluation j of F uses the weights W[j] (and caches[j] when decoding)
-        args = (cfg, rope, dropout, mask)
+        W = self.step_weights(steps, solver) if weights is None else weights  # W[j]: evaluation j's
+        if len(W) != steps * len(SOLVERS[solver]):
+            raise ValueError(f"weights for {len(W)} stage times given; {steps} {solver} steps need "
+                             f"{steps * len(SOLVERS[solver])}")
+        f = functools.partial(run, vector_field)
+        caches, args = caches or [None] * len(W), (cfg, rope, dropout, mask)
         h = 1.0 / steps
         for k in range(steps):
-            if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
+            if solver == "euler":  # X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h   (METHOD 2)
                 x = x + h * f(x, W[k], *args, caches[k])
             elif solver == "midpoint":  # stages at k h and (k + 1/2) h
                 j = 2 * k
@@ -584,43 +567,20 @@ class DiffEqFormer(nn.Module):
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
-    def step_weights(self, steps, solver, device, offsets=None):
-        """The block weights at every stage time, [{name: (weight, bias)}, ...]: ONE hypernet call per
-        forward, or the shared block at every time. In eval mode without autograd (and not compiling)
-        they are cached, keyed by the parameters' version counters: an in-place update through an
-        optimizer or `p.add_` invalidates the cache, an edit through `p.data` does not (call
-        model.train() after one)."""
-        if self.cfg.model_type == "shared":
-            return [self.block.weights()] * (steps * len(SOLVERS[solver]))
-        ts = stage_times(steps, solver, device, time_dtype(self.wte.weight.dtype))
-        if offsets is not None:
-            ts = ts - offsets.to(ts) / steps
-        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or offsets is not None:
-            return unbind_times(self.hyper(ts))
-        params = tuple(self.hyper.parameters())
-        key = (steps, solver, device, ts.dtype, torch.is_autocast_enabled(device.type),
-               torch.get_autocast_dtype(device.type), tuple(p._version for p in params), tuple(p.data_ptr() for p in params))
-        if key not in self._weight_cache:
-            self._weight_cache.clear()
-            self._weight_cache[key] = unbind_times(self.hyper(ts))
-        return self._weight_cache[key]
-
-    def train(self, mode=True):
-        self._weight_cache.clear()
-        return super().train(mode)
-
-    # -- the ODE as an ordinary transformer (SPEC 5) ---------------------------------------------
+    # -- the ODE as an ordinary transformer (METHOD 5) ---------------------------------------------
     @torch.no_grad()
     def materialize(self, steps=None):
-        """A plain N-layer transformer (nn.Linear weights, residual updates scaled by 1/N) whose logits
-        equal this ODE's with N Euler steps: layer k holds the weights at t_k = (k+1)/N. It has this
-        model's dtype and device."""
+        """A plain N-layer transformer (nn.Linear weights, residual updates scaled by 1/N) whose
+        logits equal this ODE's with N Euler steps: layer k holds the weights at t_k = (k+1)/N. It
+        has this model's dtype and device."""
         if not self.cfg.is_ode:
-            raise ValueError(f"only ODE models (diffeq, shared) can be materialised, not a {self.cfg.model_type} model")
+            raise ValueError(f"only ODE models (diffeq, shared) can be materialised, not a "
+                             f"{self.cfg.model_type} model")
         steps, _ = self.check_steps(steps, "euler")
-        cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps, "solver": "euler"})
+        cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps,
+                             "solver": "euler"})
         sd = {k: v for k, v in self.state_dict().items() if not k.startswith(("hyper.", "block."))}
-        for k, w in enumerate(self.step_weights(steps, "euler", self.wte.weight.device)):
+        for k, w in enumerate(self.step_weights(steps, "euler")):
             for name, (weight, bias) in w.items():
                 sd[f"layers.{k}.{name}.weight"] = weight
                 if bias is not None:
@@ -631,14 +591,13 @@ class DiffEqFormer(nn.Module):
         out.load_state_dict(sd)
         return out.train(self.training)
 
-    # -- decoding (gpt-fast's recipe) ---------------------------------------------------------------
+    # -- KV caches for decoding (sample.py) --------------------------------------------------------
     @torch.no_grad()
     def setup_caches(self, batch_size, max_len, steps=None, solver=None, dtype=None):
-        """Zeroed KV caches (batch_size, n_head, max_len, head_size), one per evaluation of F (one per
-        layer, or one per solver stage of every step: each stage is its own attention), and an ODE's
-        block weights at every stage time, generated here once for a whole generation. The caches take
-        the autocast dtype when autocast is on (call this inside it), else the parameters' dtype. Call
-        it again after the weights change."""
+        """Zeroed KV caches (batch_size, n_head, max_len, head_size), one per evaluation of F (a
+        layer, or a solver stage: each stage is an attention of its own), and an ODE's weights at
+        every stage time, generated here once for a whole generation. The caches take the autocast
+        dtype when autocast is on (call this inside it), else the parameters' dtype."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
         if not 1 <= max_len <= cfg.block_size:
@@ -648,82 +607,23 @@ class DiffEqFormer(nn.Module):
             autocast = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if autocast else self.wte.weight.dtype
         evaluations = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
-        self.kv_caches = nn.ModuleList(KVCache(batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, device, dtype)
+        hs = cfg.n_embd // cfg.n_head
+        self.kv_caches = nn.ModuleList(KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
                                        for _ in range(evaluations))
-        self.decode_weights = self.step_weights(steps, solver, device) if cfg.is_ode else None
+        self.cached_weights = self.step_weights(steps, solver) if cfg.is_ode else None
         self.cache_steps = (steps, solver)
 
-    def cache_mask(self, pos):
-        """(mask (T, max_len), slots (T,)) for tokens at absolute positions pos: the slot of position p is
-        p % max_len, and a query sees the slots that hold one of the last max_len positions up to its own
-        (the slots hold the positions up to pos[-1]: past max_len, feed one token at a time)."""
+    def cache_mask(self, pos, steps, solver, T):
+        """(mask (T, max_len), [(cache, slots (T,)) per evaluation]) for tokens at positions pos:
+        the slot of position p is p % max_len, and a query sees the slots that hold one of the last
+        max_len positions up to its own (past max_len, feed one token at a time)."""
+        if self.kv_caches is None or self.cache_steps != (steps, solver):
+            raise ValueError(f"decoding with steps={steps}, solver={solver!r} needs setup_caches("
+                             f"batch_size, max_len, steps={steps}, solver={solver!r}) first")
         L = self.kv_caches[0].k.size(2)
+        if T > L:
+            raise ValueError(f"{T} tokens do not fit in KV caches of {L} positions")
         slots = torch.arange(L, device=pos.device)
-        held = slots + L * torch.div(pos[-1] - slots, L, rounding_mode="floor")  # the position each slot holds
-        return sliding_window_mask(pos, held, L) & (held >= 0), pos % L
-
-    def decode(self, idx, input_pos, steps=None, solver=None):
-        """Logits (B, vocab) of the token after idx (B, 1), which sits at position input_pos (1,), through
-        the KV caches: the one-token step that generate repeats and `torch.compile(model.decode,
-        fullgraph=True)` compiles."""
-        logits, _ = self(idx, steps=steps, solver=solver, input_pos=input_pos, last_only=True)
-        return logits[:, -1]
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, steps=None, solver=None,
-                 decode=None):
-        """idx (B, T) followed by max_new_tokens tokens, each drawn by `sample_next` from the logits of the
-        last position (temperature 0: the argmax). The prompt fills the KV caches in one pass (prefill),
-        then every token costs one position through each layer, and an ODE's weights are generated once.
-        When the context is full, a RoPE model goes on with a sliding window of block_size positions; a
-        GPT-flavour model recomputes the window of the last block_size tokens for every new token (its
-        learned positions move), the cost of decoding without a cache. `decode`: the one-token step, e.g.
-        torch.compile(model.decode)."""
-        cfg = self.cfg
-        B, T = idx.size()
-        if T == 0:
-            raise ValueError("generate needs a prompt of at least one token")
-        steps, solver = self.check_steps(steps, solver)
-        decode = decode or self.decode
-        L = min(T + max_new_tokens, cfg.block_size)
-        self.setup_caches(B, L, steps, solver)
-
-        def prefill(tokens):  # tokens at positions 0.., in one pass through the caches
-            pos = torch.arange(tokens.size(1), device=tokens.device)
-            return self(tokens, steps=steps, solver=solver, input_pos=pos, last_only=True)[0][:, -1]
-
-        if cfg.flavor == "llama":  # the first L tokens at once, then one by one into the sliding window
-            logits = prefill(idx[:, :L])
-            for p in range(L, T):
-                logits = decode(idx[:, p:p + 1].contiguous(), torch.tensor([p], device=idx.device), steps, solver)
-        else:
-            logits = prefill(idx[:, -L:])
-        for i in range(max_new_tokens):
-            token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
-            idx = torch.cat((idx, token), dim=1)
-            p = idx.size(1) - 1  # the new token's position
-            if i == max_new_tokens - 1:
-                break
-            if cfg.flavor == "llama" or p < L:
-                logits = decode(token, torch.tensor([p], device=idx.device), steps, solver)
-            else:  # learned positions, context full: the window of the last L tokens, again
-                logits = prefill(idx[:, -L:])
-        return idx
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
-    """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0; else a sample of
-    softmax(logits / temperature) over the top_k most likely tokens, then over the smallest set of them
-    whose probability reaches top_p (nucleus sampling; the most likely token is always kept)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -float("inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+        held = slots + L * torch.div(pos[-1] - slots, L, rounding_mode="floor")  # slot -> position
+        mask = sliding_window_mask(pos, held, L) & (held >= 0)
+        return mask, [(kv, pos % L) for kv in self.kv_caches]

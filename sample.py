@@ -1,19 +1,19 @@
 """
-Sample from a trained model: any checkpoint this project writes, decoded with a KV cache.
+Sample from a trained model: any checkpoint this project writes, decoded with static KV caches.
 
     python sample.py                                          # out/ckpt.pt, what `python train.py` writes
     python sample.py --start="ROMEO:" --num_samples=2 --max_new_tokens=300 --temperature=0.8 --top_k=200
     python sample.py --start=FILE:prompt.txt --top_p=0.9 --seed=7
-    python sample.py --steps 12 --solver rk4                  # an ODE: spend more (or less) compute per token
+    python sample.py --steps 12 --solver rk4                  # an ODE: more (or less) compute per token
     python sample.py --init_from=out-finetune/adapters.pt     # LoRA adapters, on their base checkpoint
     python sample.py --init_from=out-finetune/merged.pt --compile
 
-nanoGPT's sample.py, with what only an ODE can do: `--steps` and `--solver` change the computation of a
-DiffEqFormer (or weight-sharing) checkpoint per call; a GPT, Llama or materialised checkpoint has fixed
-layers. The checkpoint names its model and tokenizer; a LoRA adapters file names its base checkpoint,
-which is materialised at the adapters' step count and merged with them. Decoding is model.generate:
-the prompt fills static KV caches, then each token costs one position through every layer (gpt-fast);
-`--compile` compiles that one-token step. The samples go to stdout, one line of statistics to stderr.
+Generation is gpt-fast's generate.py: `prefill` runs the prompt through the model once and fills the
+KV caches (one per evaluation of F: per layer, or per solver stage of every step), then
+`decode_one_token` runs one position through every layer per new token; an ODE's weights are
+generated once per generation (model.setup_caches). `--compile` compiles that one-token step. What
+only an ODE can do: `--steps` and `--solver` change a DiffEqFormer's (or weight sharing's)
+computation per call. The samples go to stdout, one line of statistics to stderr.
 """
 import os
 import sys
@@ -21,13 +21,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-import checkpoints
-import finetune
+import common
 import prepare
-import runtime
 from configurator import UserError, parse_config, run_main
-from model import SOLVERS, DiffEqFormer, ModelConfig
+from model import SOLVERS
 
 
 @dataclass
@@ -51,42 +50,90 @@ class SampleConfig:
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}")
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be at least 0 (0 is greedy decoding)")
+            raise ValueError(f"temperature={self.temperature} must be at least 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.solver and self.solver not in SOLVERS:
             raise ValueError(f"solver={self.solver!r} is not one of {', '.join(SOLVERS)}")
 
 
-# -- any checkpoint -> a model in eval mode ---------------------------------------------------------
+# -- generation -------------------------------------------------------------------------------------
 
-def load_model(path):
-    """(model on the CPU in eval mode, tokenizer name) from a model checkpoint of any model type (a full
-    fine-tune and a merged one are ordinary model checkpoints) or from a LoRA adapters file."""
-    ckpt = checkpoints.load(path, kind=(checkpoints.MODEL, checkpoints.ADAPTERS))
-    if ckpt["kind"] == checkpoints.ADAPTERS:
-        return load_adapters(path)
-    with torch.device("meta"):
-        model = DiffEqFormer(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(checkpoints.clean_state_dict(ckpt["model"]), assign=True)
-    return model.eval(), ckpt.get("tokenizer", "byte")
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
+    """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0; else a sample of
+    softmax(logits / temperature) over the top_k most likely tokens, then over the smallest set of them
+    whose probability reaches top_p (nucleus sampling; the most likely token is always kept)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -float("inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
-def load_adapters(path):
-    """The base checkpoint (checked by its sha256) materialised at the adapters' step count, with the
-    adapters merged in."""
-    model, base_ckpt = finetune.load_adapted(path)
-    return finetune.merge_lora(model).eval(), base_ckpt.get("tokenizer", "byte")
+def prefill(model, idx, steps=None, solver=None):
+    """The next-token logits (B, vocab) after idx (B, T), its tokens at positions 0..T-1, in one pass
+    that fills the KV caches."""
+    pos = torch.arange(idx.size(1), device=idx.device)
+    return model(idx, steps=steps, solver=solver, input_pos=pos, last_only=True)[0][:, -1]
 
+
+def decode_one_token(model, idx, input_pos, steps=None, solver=None):
+    """The next-token logits (B, vocab) after idx (B, 1) at position input_pos (1,), through the KV
+    caches: the step that generate repeats and `torch.compile(..., fullgraph=True)` compiles."""
+    return model(idx, steps=steps, solver=solver, input_pos=input_pos, last_only=True)[0][:, -1]
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, steps=None,
+             solver=None, decode=decode_one_token):
+    """idx (B, T) followed by max_new_tokens tokens, each drawn by sample_next from the last logits.
+    Past the context: a RoPE model goes on with a sliding window of block_size positions at the same
+    cost; a GPT-flavour model's learned positions move, so it recomputes the window of the last
+    block_size tokens for every token (what decoding without a cache costs)."""
+    B, T = idx.size()
+    if T == 0:
+        raise ValueError("generate needs a prompt of at least one token")
+    steps, solver = model.check_steps(steps, solver)
+    L = min(T + max_new_tokens, model.cfg.block_size)
+    model.setup_caches(B, L, steps, solver)
+    rope = model.cfg.flavor == "llama"
+    if rope:  # the first L tokens at once, then one by one into the sliding window
+        logits = prefill(model, idx[:, :L], steps, solver)
+        for p in range(L, T):
+            logits = decode(model, idx[:, p:p + 1].contiguous(), torch.tensor([p], device=idx.device),
+                            steps, solver)
+    else:
+        logits = prefill(model, idx[:, -L:], steps, solver)
+    for i in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
+        idx = torch.cat((idx, token), dim=1)
+        p = idx.size(1) - 1  # the new token's position
+        if i == max_new_tokens - 1:
+            break
+        if rope or p < L:
+            logits = decode(model, token, torch.tensor([p], device=idx.device), steps, solver)
+        else:  # learned positions, context full: the window of the last L tokens, again
+            logits = prefill(model, idx[:, -L:], steps, solver)
+    return idx
+
+
+# -- the command line -----------------------------------------------------------------------------
 
 def solver_args(model, cfg, path):
-    """(steps, solver) for model.generate: --steps and --solver change an ODE's computation only."""
+    """(steps, solver) for generate: --steps and --solver change an ODE's computation only."""
     mcfg = model.cfg
     if not mcfg.is_ode and (cfg.steps not in (0, mcfg.n_layer) or cfg.solver not in ("", "euler")):
         asked = " ".join(f"--{k} {v}" for k, v in (("steps", cfg.steps), ("solver", cfg.solver)) if v)
-        raise UserError(f"{path} holds a {mcfg.model_type} ({mcfg.flavor}) model of {mcfg.n_layer} fixed layers, so it "
-                        f"cannot run with {asked}: only an ODE checkpoint (diffeq or shared) has a depth that is a "
-                        f"solver step count")
+        raise UserError(f"{path} holds a {mcfg.model_type} ({mcfg.flavor}) model of {mcfg.n_layer} "
+                        f"fixed layers, so it cannot run with {asked}: only an ODE checkpoint (diffeq "
+                        f"or shared) has a depth that is a solver step count")
     return cfg.steps or None, cfg.solver or None
 
 
@@ -96,8 +143,6 @@ def describe(model, steps, solver):
     depth = f"{steps or cfg.n_layer} {solver or cfg.solver} steps" if cfg.is_ode else f"{cfg.n_layer} layers"
     return f"{cfg.model_type} ({cfg.flavor}), {depth}"
 
-
-# -- prompt ---------------------------------------------------------------------------------------------
 
 def read_prompt(start):
     """The prompt text: `start` itself, or the contents of the file that FILE:path names."""
@@ -123,17 +168,16 @@ def encode_prompt(text, tok, vocab_size):
             what = f"{char!r} (UTF-8 bytes {list(char.encode('utf-8'))})"
         else:
             what = f"{tok.decode([bad[0]])!r} (token id {bad[0]})"
-        raise UserError(f"the prompt has characters this model cannot read: {what} is outside its vocabulary of "
-                        f"{vocab_size} ids ({len(bad)} such token{'s' * (len(bad) > 1)} in the prompt)")
+        raise UserError(f"the prompt has characters this model cannot read: {what} is outside its "
+                        f"vocabulary of {vocab_size} ids ({len(bad)} such token"
+                        f"{'s' * (len(bad) > 1)} in the prompt)")
     return ids
 
 
-# -- the script -----------------------------------------------------------------------------------------
-
 def main(argv):
     cfg, _ = parse_config(argv, SampleConfig)
-    env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
-    model, tokenizer = load_model(cfg.init_from)
+    env = common.setup(cfg.device, cfg.dtype, cfg.seed)
+    model, tokenizer = common.load_model(cfg.init_from)
     model.to(env.device)
     steps, solver = solver_args(model, cfg, cfg.init_from)
     try:
@@ -142,19 +186,20 @@ def main(argv):
         raise UserError(str(e)) from e
     ids = encode_prompt(read_prompt(cfg.start), tok, model.cfg.vocab_size)
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
-    decode = torch.compile(model.decode, fullgraph=True) if cfg.compile else None
+    decode = torch.compile(decode_one_token, fullgraph=True) if cfg.compile else decode_one_token
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     with env.autocast():
-        y = model.generate(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, cfg.top_p, steps, solver, decode)
+        y = generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, cfg.top_p,
+                     steps, solver, decode)
     sync()
     dt = time.perf_counter() - t0
     for row in y.tolist():
-        print(tok.decode([i for i in row if i < tok.vocab_size]))  # the padding ids of a padded vocabulary have no text
+        print(tok.decode([i for i in row if i < tok.vocab_size]))  # padded vocabulary ids: no text
         print("---------------")
     print(f"{cfg.init_from}: {describe(model, steps, solver)}; {cfg.num_samples} x {cfg.max_new_tokens} "
-          f"tokens in {dt:.2f} s ({cfg.num_samples * cfg.max_new_tokens / dt:,.0f} tokens/s{', compile included' * cfg.compile})",
-          file=sys.stderr)
+          f"tokens in {dt:.2f} s ({cfg.num_samples * cfg.max_new_tokens / dt:,.0f} tokens/s"
+          f"{', compile included' * cfg.compile})", file=sys.stderr)
 
 
 if __name__ == "__main__":

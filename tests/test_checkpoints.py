@@ -1,4 +1,4 @@
-"""checkpoints.py: safe loads, atomic sharded saves that survive a kill at any point, one run per
+"""common.py: safe loads, atomic sharded saves that survive a kill at any point, one run per
 out_dir, and resumption that leaves neither duplicate log rows nor orphaned temporary files."""
 import json
 import os
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoints
+import common
 import train
+from scale import checkpoint, parallel
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
@@ -30,23 +31,23 @@ def test_bad_checkpoint_files_are_one_line_without_unsafe_advice(tmp_path, conte
     if content == "adapters":
         torch.save({"kind": "lora-adapters"}, path)
     elif content == "pickled code":
-        torch.save({"kind": checkpoints.MODEL, "hook": print}, path)  # weights_only refuses to run it
+        torch.save({"kind": common.MODEL, "hook": print}, path)  # weights_only refuses to run it
     elif content == "empty":
         path.write_bytes(b"")
     if content != "random":
         with pytest.raises(UserError) as e:
-            checkpoints.load(str(path))
+            common.load(str(path))
         assert message in str(e.value) and "\n" not in str(e.value) and "weights_only" not in str(e.value)
         return
     rng = np.random.default_rng(0)
     for _ in range(100):  # garbage fails inside the unpickler in many ways: every one is the same one line
         path.write_bytes(rng.bytes(int(rng.integers(1, 4096))))
         with pytest.raises(UserError, match=message):
-            checkpoints.load(str(path))
+            common.load(str(path))
 
 
 def test_clean_state_dict_strips_only_leading_wrapper_prefixes():
-    cleaned = checkpoints.clean_state_dict({"module._orig_mod.wte.weight": 1, "layers.0.submodule.weight": 2,
+    cleaned = common.clean_state_dict({"module._orig_mod.wte.weight": 1, "layers.0.submodule.weight": 2,
                                             "_orig_mod.layers.0.module.bias": 3})
     assert cleaned == {"wte.weight": 1, "layers.0.submodule.weight": 2, "layers.0.module.bias": 3}
 
@@ -62,7 +63,7 @@ def process_group(tmp_path):
 
 def sharded_model(seed):
     torch.manual_seed(seed)
-    model = train.shard(DiffEqFormer(ModelConfig(**TINY)))
+    model = parallel.shard(DiffEqFormer(ModelConfig(**TINY)))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -73,7 +74,7 @@ def plain(model):
 def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_path, process_group, monkeypatch):
     folder = str(tmp_path / "out" / "ckpt_sharded")
     model, optimizer = sharded_model(0)
-    checkpoints.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 1}, folder, 1, True)
+    checkpoint.save_sharded(model, optimizer, {"kind": common.MODEL, "iter_num": 1}, folder, 1, True)
     first = plain(model)
     with torch.no_grad():
         for p in model.parameters():
@@ -97,23 +98,23 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
 
     kills = [(dcp, "save", kill_on_call(1, real_save)),  # while writing the model's shards
              (dcp, "save", kill_on_call(2, real_save)),  # while writing the optimizer's
-             (checkpoints, "save", lambda *a: kill()),  # before meta.pt
+             (common, "save", lambda *a: kill()),  # before meta.pt
              (os, "replace", lambda src, dst: kill() if dst.endswith("LATEST") else real_replace(src, dst))]  # before LATEST
     for where, name, killed in kills:
         monkeypatch.setattr(where, name, killed)
         with pytest.raises(KeyboardInterrupt):
-            checkpoints.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
+            checkpoint.save_sharded(model, optimizer, {"kind": common.MODEL, "iter_num": 2}, folder, 2, True)
         monkeypatch.undo()
-        assert checkpoints.latest_sharded(folder).endswith("iter_0000001"), name
+        assert checkpoint.latest_sharded(folder).endswith("iter_0000001"), name
         fresh, fresh_optimizer = sharded_model(1)
-        checkpoints.load_sharded(fresh, fresh_optimizer, folder)
+        checkpoint.load_sharded(fresh, fresh_optimizer, folder)
         assert all(torch.equal(v, first[k]) for k, v in plain(fresh).items())
-    checkpoints.lock(str(tmp_path / "out")).close()  # the next run cleans up the incomplete iter_0000002
+    checkpoint.clean(folder)  # what the next save does first: the incomplete iter_0000002 goes
     assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000001"]
-    checkpoints.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
+    checkpoint.save_sharded(model, optimizer, {"kind": common.MODEL, "iter_num": 2}, folder, 2, True)
     assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000002"]  # the old one goes once the new one is named
-    checkpoints.convert_sharded(folder, str(tmp_path / "ckpt.pt"))
-    converted = checkpoints.load(str(tmp_path / "ckpt.pt"))
+    checkpoint.convert_sharded(folder, str(tmp_path / "ckpt.pt"))
+    converted = common.load(str(tmp_path / "ckpt.pt"))
     assert converted["iter_num"] == 2 and converted["optimizer"] is None
     assert all(torch.equal(converted["model"][k], v) for k, v in plain(model).items())
 
@@ -121,7 +122,7 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
 # -- one run per out_dir -----------------------------------------------------------------------------
 
 def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
-    held = checkpoints.lock(str(tmp_path / "out"))
+    held = common.lock(str(tmp_path / "out"))
     try:
         done = subprocess.run([sys.executable, "train.py", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -130,10 +131,10 @@ def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
             f"error: {tmp_path / 'out'} is in use by a run that is still going (pid {os.getpid()}); wait for it to "
             f"finish or choose another --out_dir"]
         with pytest.raises(UserError, match="is in use by a run that is still going"):
-            checkpoints.lock(str(tmp_path / "out"))
+            common.lock(str(tmp_path / "out"))
     finally:
         held.close()
-    checkpoints.lock(str(tmp_path / "out")).close()  # free again once the holder is gone
+    common.lock(str(tmp_path / "out")).close()  # free again once the holder is gone
 
 
 def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(tmp_path, shakespeare):
@@ -160,7 +161,7 @@ def test_resume_from_a_file_without_optimizer_state_starts_a_fresh_optimizer(tmp
             f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
     train.main([*args, "--stop_at=2"])
     path = tmp_path / "out" / "ckpt.pt"
-    checkpoints.save({**checkpoints.load(str(path)), "optimizer": None}, str(path))  # as --convert writes it
+    common.save({**common.load(str(path)), "optimizer": None}, str(path))  # as --convert writes it
     train.main([*args, "--init_from=resume"])
     assert "holds no optimizer state" in capsys.readouterr().out
-    assert checkpoints.load(str(path))["iter_num"] == 4
+    assert common.load(str(path))["iter_num"] == 4

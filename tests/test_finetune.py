@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-import checkpoints
+import common
 import finetune
+import lora
 import prepare
-import runtime
 import train
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
@@ -34,13 +34,13 @@ def tokens():
 @pytest.mark.parametrize("flavor", ["gpt", "llama"])
 def test_lora_with_zero_b_starts_at_the_ode(flavor):
     ode = random_ode(flavor=flavor)
-    layers = finetune.add_lora(ode.materialize(), finetune.FinetuneConfig(lora_rank=4)).eval()
+    layers = lora.add_lora(ode.materialize(), rank=4).eval()
     assert all(torch.count_nonzero(p) == 0 for n, p in layers.named_parameters() if n.endswith(".lora_B"))
     assert (ode(tokens())[0] - layers(tokens())[0]).abs().max() < 1e-5
 
 
 def test_one_step_changes_only_adapters_and_merge_is_exact():
-    layers = finetune.add_lora(random_ode().materialize(5), finetune.FinetuneConfig(lora_rank=4)).train()
+    layers = lora.add_lora(random_ode().materialize(5), rank=4).train()
     before = {k: v.clone() for k, v in layers.state_dict().items()}
     trainable = {n for n, p in layers.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
@@ -52,37 +52,36 @@ def test_one_step_changes_only_adapters_and_merge_is_exact():
 
     layers.eval()
     unmerged, _ = layers(tokens())
-    finetune.merge_lora(layers)
+    lora.merge_lora(layers)
     merged, _ = layers(tokens())
     assert (merged - unmerged).abs().max() < 1e-5
     assert not any("parametrizations" in k for k in layers.state_dict())
     with pytest.raises(UserError, match="merged already"):
-        finetune.merge_lora(layers)
+        lora.merge_lora(layers)
 
 
 def test_merged_weight_is_w_plus_alpha_over_r_times_b_a():
     """SPEC 5 on hand-set adapters: the merged weight is W + (alpha / r) B A, exactly."""
     layers = random_ode().materialize(2)
     W = layers.layers[1].proj.weight.detach().clone()  # (32, 32)
-    finetune.add_lora(layers, finetune.FinetuneConfig(lora_rank=2, lora_alpha=6.0, lora_targets="proj"))
-    lora = layers.layers[1].proj.parametrizations.weight[0]
+    lora.add_lora(layers, rank=2, alpha=6.0, targets="proj")
+    adapter = layers.layers[1].proj.parametrizations.weight[0]
     A = torch.arange(64, dtype=torch.float32).view(2, 32) / 64
     B = torch.linspace(-1, 1, 64).view(32, 2)
     with torch.no_grad():
-        lora.lora_A.copy_(A)
-        lora.lora_B.copy_(B)
-    finetune.merge_lora(layers)
+        adapter.lora_A.copy_(A)
+        adapter.lora_B.copy_(B)
+    lora.merge_lora(layers)
     assert torch.allclose(layers.layers[1].proj.weight, W + (6.0 / 2) * B @ A, atol=1e-6)
 
 
 def test_adapters_are_found_by_type_and_targets_by_valid_names():
-    layers = finetune.add_lora(random_ode(flavor="llama").materialize(2),
-                               finetune.FinetuneConfig(lora_rank=2, lora_targets="gate, down"))
-    names = set(finetune.lora_state_dict(layers))
+    layers = lora.add_lora(random_ode(flavor="llama").materialize(2), rank=2, targets="gate, down")
+    names = set(lora.lora_state_dict(layers))
     assert names == {f"layers.{k}.{m}.parametrizations.weight.0.lora_{ab}" for k in (0, 1) for m in ("gate", "down")
                      for ab in "AB"}
     with pytest.raises(UserError) as e:
-        finetune.add_lora(random_ode().materialize(2), finetune.FinetuneConfig(lora_targets="attn,gate"))
+        lora.add_lora(random_ode().materialize(2), targets="attn,gate")
     assert str(e.value) == ("lora_targets='attn,gate': gate is not a linear layer of this gpt model; "
                             "choose from attn, fc, fc2, proj (comma-separated), or all")
 
@@ -90,7 +89,7 @@ def test_adapters_are_found_by_type_and_targets_by_valid_names():
 def test_baseline_refuses_other_depths(tmp_path):
     gpt = DiffEqFormer(ModelConfig(**{**TINY, "model_type": "baseline"}))
     path = tmp_path / "gpt.pt"
-    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
+    common.save(dict(kind=common.MODEL, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
     with pytest.raises(UserError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):
         finetune.load_base(str(path), 9, torch.device("cpu"))
     same, _ = finetune.load_base(str(path), 0, torch.device("cpu"))
@@ -112,10 +111,10 @@ def test_missing_and_wrong_kind_checkpoints_fail_with_one_line(tmp_path):
     done = script(f"--init_from={tmp_path / 'none.pt'}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "does not exist" in done.stderr
     adapters = tmp_path / "adapters.pt"
-    torch.save({"kind": checkpoints.ADAPTERS}, adapters)
+    torch.save({"kind": common.ADAPTERS}, adapters)
     done = script(f"--init_from={adapters}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
-    assert f"holds a {checkpoints.ADAPTERS} checkpoint" in done.stderr
+    assert f"holds a {common.ADAPTERS} checkpoint" in done.stderr
 
 
 def test_steps_9_lora_end_to_end(tmp_path, shakespeare):
@@ -131,20 +130,20 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare):
     results = json.load(open(tmp_path / "ft" / "results.json"))
     assert results["steps"] == 9 and results["lora"]
     assert results["after"]["val_loss"] < results["before"]["val_loss"] - 0.05
-    adapters = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)
+    adapters = common.load(str(tmp_path / "ft" / "adapters.pt"), kind=common.ADAPTERS)
     assert adapters["steps"] == 9 and adapters["rank"] == 8 and adapters["targets"] == "all"
     assert adapters["adapters"] and all(k.endswith((".lora_A", ".lora_B")) for k in adapters["adapters"])
 
     merged_path = finetune.merge_file(str(tmp_path / "ft" / "adapters.pt"))
-    merged = checkpoints.load(merged_path)
+    merged = common.load(merged_path)
     model = DiffEqFormer(ModelConfig(**merged["model_config"]))
     model.load_state_dict(merged["model"])
     assert model.cfg.model_type == "materialized" and model.cfg.n_layer == 9
     # the merged model is the fine-tuned one: its validation loss is the run's final one
-    env = runtime.Env(torch.device("cpu"), torch.float32)
+    env = common.Env(torch.device("cpu"), torch.float32)
     cfg = train.TrainConfig(eval_iters=4, batch_size=16)  # as the run (config/finetune_wikitext2.py)
     tokens_val = prepare.load_tokens(str(tmp_path / "data" / "wikitext2_test_byte"), "val")
-    val = runtime.Batches(tokens_val, model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
+    val = common.Batches(tokens_val, model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
     loss = train.evaluate(model, {"val": val}, cfg, env)["val"]
     assert loss == pytest.approx(results["after"]["val_loss"], abs=1e-4)
 
@@ -160,8 +159,8 @@ def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     finetune.main([*cmd[cmd.index("finetune.py") + 1:-1], f"--out_dir={tmp_path / 'one'}"])  # one process, same batches
-    ddp = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
-    one = checkpoints.load(str(tmp_path / "one" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
+    ddp = common.load(str(tmp_path / "ft" / "adapters.pt"), kind=common.ADAPTERS)["adapters"]
+    one = common.load(str(tmp_path / "one" / "adapters.pt"), kind=common.ADAPTERS)["adapters"]
     assert any(k.endswith(".lora_B") and v.abs().max() > 0 for k, v in ddp.items())  # the adapters trained
     for k in one:
         assert torch.allclose(ddp[k], one[k], atol=1e-5), k
@@ -172,27 +171,27 @@ def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakesp
     """--init_from=resume takes base, steps and LoRA-or-full from the run, whatever the command line says."""
     data = f"--data_root={tmp_path / 'data'}"
     pretrain(tmp_path, shakespeare)
-    common = ["--steps", "3", "--lora_dropout=0.1", "--dropout=0.1", data, f"--input_file={shakespeare}",
+    shared = ["--steps", "3", "--lora_dropout=0.1", "--dropout=0.1", data, f"--input_file={shakespeare}",
               "--dataset=target", "--max_iters=8", "--eval_interval=4", "--eval_iters=2", "--batch_size=4", "--log_interval=1"]
     start = [f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", "--lora" if lora else "--no-lora"]
 
     def losses(out):
         return {r["iter"]: r["loss"] for r in map(json.loads, open(tmp_path / out / "log.jsonl")) if "loss" in r}
 
-    finetune.main([*common, *start, f"--out_dir={tmp_path / 'a'}"])
-    finetune.main([*common, *start, "--stop_at=4", f"--out_dir={tmp_path / 'b'}"])
-    finetune.main([*common, "--init_from=resume", "--lora_rank=2", f"--out_dir={tmp_path / 'b'}"])  # settings from the run
+    finetune.main([*shared, *start, f"--out_dir={tmp_path / 'a'}"])
+    finetune.main([*shared, *start, "--stop_at=4", f"--out_dir={tmp_path / 'b'}"])
+    finetune.main([*shared, "--init_from=resume", "--lora_rank=2", f"--out_dir={tmp_path / 'b'}"])  # settings from the run
     straight, resumed = losses("a"), losses("b")
     assert sorted(resumed) == list(range(8))
     for it in range(4, 8):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
     if lora:
-        a = checkpoints.load(str(tmp_path / "a" / "adapters.pt"), kind=checkpoints.ADAPTERS)
-        b = checkpoints.load(str(tmp_path / "b" / "adapters.pt"), kind=checkpoints.ADAPTERS)
+        a = common.load(str(tmp_path / "a" / "adapters.pt"), kind=common.ADAPTERS)
+        b = common.load(str(tmp_path / "b" / "adapters.pt"), kind=common.ADAPTERS)
         assert b["base_checkpoint"] == a["base_checkpoint"] and b["rank"] == 8
         pairs = [(a["adapters"][k], b["adapters"][k]) for k in a["adapters"]]
     else:
-        a, b = (checkpoints.load(str(tmp_path / out / "ckpt.pt"))["model"] for out in ("a", "b"))
+        a, b = (common.load(str(tmp_path / out / "ckpt.pt"))["model"] for out in ("a", "b"))
         pairs = [(a[k], b[k]) for k in a]
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in pairs)
 
@@ -213,9 +212,9 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
         finetune.main(["--merge", adapters])
     with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
         finetune.main(["--init_from=resume", *target])
-    merged = checkpoints.load(finetune.merge_file(adapters, str(original)))
-    expected, _ = finetune.load_adapted(adapters, str(original))
-    finetune.merge_lora(expected)
+    merged = common.load(finetune.merge_file(adapters, str(original)))
+    expected, _ = lora.load_adapted(adapters, str(original))
+    lora.merge_lora(expected)
     assert all(torch.equal(v, merged["model"][k]) for k, v in expected.state_dict().items())
     wrong, _ = finetune.load_base(str(base), 3, torch.device("cpu"))
     assert not torch.equal(wrong.layers[0].attn.weight, expected.layers[0].attn.weight)
@@ -236,6 +235,6 @@ def test_options_fine_tuning_cannot_take_are_one_clear_error(argv, message):
 def test_dropout_and_activation_checkpointing_reach_the_fine_tuned_model(tmp_path):
     ode = random_ode()
     path = tmp_path / "base.pt"
-    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(path))
+    common.save(dict(kind=common.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(path))
     model, _ = finetune.load_base(str(path), 4, torch.device("cpu"), dropout=0.2, checkpoint=True)
     assert (model.cfg.dropout, model.cfg.checkpoint, model.cfg.n_layer) == (0.2, True, 4)

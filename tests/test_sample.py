@@ -1,15 +1,17 @@
-"""Decoding with the KV cache (model.generate) against recomputation, sampling filters, and sample.py."""
+"""Decoding with the KV cache (sample.generate) against recomputation, sampling filters, and sample.py."""
 import subprocess
 import sys
 
 import pytest
 import torch
 
-import checkpoints
+import common
 import finetune
+import lora
 import sample
 from configurator import UserError
-from model import DiffEqFormer, ModelConfig, sample_next
+from model import DiffEqFormer, ModelConfig
+from sample import generate, sample_next
 
 from conftest import ROOT, TINY, tokenizer_or_skip
 
@@ -57,7 +59,7 @@ def test_greedy_decoding_with_the_cache_equals_recomputation(model_type, flavor,
     model = random_model(model_type, flavor)
     steps = 5 if model.cfg.is_ode else None  # an ODE at another step count than it was built with
     solver = solver if model.cfg.is_ode else None
-    out = model.generate(prompt(T), 20, temperature=0, steps=steps, solver=solver)
+    out = generate(model, prompt(T), 20, temperature=0, steps=steps, solver=solver)
     assert out.shape == (2, T + 20) and torch.equal(out[:, :T], prompt(T))
     for t in range(T, T + 20):
         assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t], steps, solver).argmax(-1)), f"token {t}"
@@ -76,7 +78,7 @@ def test_cached_logits_equal_recomputed_logits_at_every_position(model_type, fla
     logits = model(idx[:, :4], steps=steps, solver=solver, input_pos=torch.arange(4), last_only=True)[0][:, -1]
     assert (logits - recomputed_logits(model, idx[:, :4], steps, solver)).abs().max() < 1e-10
     for p in range(4, n):
-        logits = model.decode(idx[:, p:p + 1], torch.tensor([p]), steps, solver)
+        logits = sample.decode_one_token(model, idx[:, p:p + 1], torch.tensor([p]), steps, solver)
         assert (logits - recomputed_logits(model, idx[:, :p + 1], steps, solver)).abs().max() < 1e-10, f"position {p}"
 
 
@@ -97,11 +99,11 @@ def test_the_odes_weights_are_generated_once_per_generation():
     model = random_model()
     calls = []
     model.hyper.register_forward_hook(lambda *a: calls.append(1))
-    model.generate(prompt(4), 2 * BLOCK, temperature=0)  # slides too: the window recomputations reuse them
+    generate(model, prompt(4), 2 * BLOCK, temperature=0)  # slides too: the window recomputations reuse them
     assert len(calls) == 1
     model.hyper.fc.B_W.data.add_(0.1)  # new weights: the next generation must see them
     model.train().eval()
-    model.generate(prompt(4), 2, temperature=0)
+    generate(model, prompt(4), 2, temperature=0)
     assert len(calls) == 2
 
 
@@ -126,10 +128,10 @@ def test_decoding_needs_caches_set_up_for_its_steps():
 def test_compiled_decode_step_matches_eager_without_graph_breaks_or_recompiles():
     torch._dynamo.reset()
     model = random_model(flavor="llama").float()
-    eager = model.generate(prompt(3), 2 * BLOCK, temperature=0)
-    decode = torch.compile(model.decode, fullgraph=True)
+    eager = generate(model, prompt(3), 2 * BLOCK, temperature=0)
+    decode = torch.compile(sample.decode_one_token, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):  # positions change, shapes do not
-        fast = model.generate(prompt(3), 2 * BLOCK, temperature=0, decode=decode)
+        fast = generate(model, prompt(3), 2 * BLOCK, temperature=0, decode=decode)
     assert torch.equal(eager, fast)
 
 
@@ -163,7 +165,7 @@ def test_temperature_sharpens():
 # -- sample.py ----------------------------------------------------------------------------------------------
 
 def save_model(path, model, tokenizer="byte"):
-    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(), model=model.float().state_dict(),
+    common.save(dict(kind=common.MODEL, model_config=model.cfg.to_dict(), model=model.float().state_dict(),
                           tokenizer=tokenizer), str(path))
     return str(path)
 
@@ -175,7 +177,7 @@ def run_sample(capsys, path, *args):
 
 def expected(model, text, n, **kwargs):
     idx = torch.tensor([list(text.encode())])
-    out = model.float().eval().generate(idx, n, temperature=0, **kwargs)
+    out = generate(model.float().eval(), idx, n, temperature=0, **kwargs)
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
@@ -195,13 +197,13 @@ def test_sample_reads_lora_adapters_with_their_base_and_merged_files(tmp_path, c
     ode = byte_model()
     base = save_model(tmp_path / "base.pt", ode)
     fcfg = finetune.FinetuneConfig(lora_rank=2)
-    layers = finetune.add_lora(ode.materialize(5), fcfg)
+    layers = lora.add_lora(ode.materialize(5), rank=2)
     with torch.no_grad():
         for name, p in layers.named_parameters():
             if name.endswith("lora_B"):
                 p.normal_(0.0, 0.5)  # adapters that change the output
-    checkpoints.save(finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 5), str(tmp_path / "adapters.pt"))
-    merged = finetune.merge_lora(layers).eval()
+    common.save(finetune.adapters_file(layers, fcfg, base, common.file_hash(base), 5), str(tmp_path / "adapters.pt"))
+    merged = lora.merge_lora(layers).eval()
     text = expected(merged, "ab", 6)
     assert text != expected(ode.materialize(5), "ab", 6)
     assert run_sample(capsys, tmp_path / "adapters.pt", "--start=ab", "--max_new_tokens=6") == text
@@ -242,12 +244,12 @@ def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, token
 
 
 def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
-    checkpoints.save(dict(kind=checkpoints.LORA_RUN), str(tmp_path / "run.pt"))
-    with pytest.raises(UserError, match=f"holds a {checkpoints.LORA_RUN} checkpoint, not a {checkpoints.MODEL}"):
+    common.save(dict(kind=common.LORA_RUN), str(tmp_path / "run.pt"))
+    with pytest.raises(UserError, match=f"holds a {common.LORA_RUN} checkpoint, not a {common.MODEL}"):
         run_sample(capsys, tmp_path / "run.pt")
-    layers = finetune.add_lora(byte_model().materialize(3), finetune.FinetuneConfig(lora_rank=2))
+    layers = lora.add_lora(byte_model().materialize(3), rank=2)
     adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), str(tmp_path / "gone.pt"), "0" * 64, 3)
-    checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
+    common.save(adapters, str(tmp_path / "adapters.pt"))
     with pytest.raises(UserError, match=r"the base checkpoint .*gone.pt does not exist"):
         run_sample(capsys, tmp_path / "adapters.pt")
 

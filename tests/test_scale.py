@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import checkpoints
-import runtime
+import common
 import train
-import weightgen
+from scale import memory, parallel
+from scale.weightgen import WeightGenerator
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
@@ -30,7 +30,7 @@ def perturb(model):
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype) * 0.05
-            rows, first = train.shard_rows(p)
+            rows, first = parallel.shard_rows(p)
             rows.add_(noise[first:first + rows.size(0)])
 
 
@@ -39,16 +39,50 @@ def micro_batches(n, vocab, seed=0):
     return [torch.randint(0, vocab, (2, 12), generator=g) for _ in range(n)]
 
 
-def plain_gradients(model, batches):
-    """The reference: weights generated in every forward pass, one process, every micro-batch; dropout
-    masks seeded per micro-batch."""
-    losses = []
-    for i, x in enumerate(batches):
-        torch.manual_seed(100 + i)
-        _, loss = model(x, x)
-        (loss / len(batches)).backward()
-        losses.append(loss.item())
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+def plain_gradients(model, batches, world=1, seed=1337):
+    """The reference: weights generated in every forward pass, every micro-batch on one process; the
+    dropout masks that train_step draws on each of `world` processes (its RNG is seeded by (seed,
+    iteration, rank), and process r runs micro-batches r, r + world, ...)."""
+    losses = {}
+    for rank in range(world):
+        torch.manual_seed(hash((seed, 0, rank)))
+        for i in range(rank, len(batches), world):
+            _, loss = model(batches[i], batches[i])
+            (loss / len(batches)).backward()
+            losses[i] = loss.item()
+    return [losses[i] for i in range(len(batches))], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+class Fixed:
+    """train_step's batches: micro-batch i of every iteration is xs[i], its own targets."""
+
+    def __init__(self, xs):
+        self.xs = xs
+
+    def get(self, it, i):
+        return self.xs[i], self.xs[i]
+
+
+class Capture:
+    """An optimizer that keeps the gradients train_step asks it to apply, whole (DTensors gathered)."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                      for n, p in self.model.named_parameters()}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def step_gradients(model, batches, env=common.Env(torch.device("cpu"), torch.float32), gen=None, **cfg):
+    """The gradients of one train.train_step over the micro-batches (no clipping, no update)."""
+    cfg = train.TrainConfig(gradient_accumulation_steps=len(batches), grad_clip=0.0, **cfg)
+    capture = Capture(parallel.unwrap(model))
+    loss, _ = train.train_step(model, capture, Fixed(batches), 0, cfg, env, gen)
+    return loss, capture.grads
 
 
 def assert_close_grads(got, want, tol):
@@ -64,43 +98,49 @@ def assert_close_grads(got, want, tol):
 @pytest.mark.parametrize("solver", ["euler", "rk4"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_weights_once_per_step_give_the_plain_gradients(flavor, solver, dtype, tol):
+    """train_step's one hypernetwork call, detached leaves and one pull-back give the gradients of
+    generating the weights in every forward pass; the hypernetwork runs once."""
     torch.manual_seed(0)
     model = DiffEqFormer(ModelConfig(**{**TINY, "flavor": flavor, "solver": solver, "dropout": 0.1})).to(dtype)
     perturb(model)
     batches = micro_batches(3, TINY["vocab_size"])
     losses, want = plain_gradients(model, batches)
     model.zero_grad(set_to_none=True)
-    gen = weightgen.WeightGenerator(model)
-    gen.generate()
-    for i, x in enumerate(batches):
-        torch.manual_seed(100 + i)
-        _, loss = model(x, x, weights=gen.weights())
-        (loss / len(batches)).backward()
-        assert loss.item() == losses[i]  # the same weights and dropout masks: the same numbers
-    assert all(p.grad is None for p in model.hyper.parameters())  # nothing reaches the hypernetwork yet
-    gen.backward()
-    assert_close_grads({n: p.grad for n, p in model.named_parameters()}, want, tol)
+    calls = []
+    model.hyper.register_forward_hook(lambda *a: calls.append(1))
+    loss, got = step_gradients(model, batches)
+    assert len(calls) == 1
+    assert loss.item() == pytest.approx(sum(losses) / 3, rel=1e-6)  # the logged loss: float32
+    assert_close_grads(got, want, tol)
 
 
 def test_weights_once_per_step_at_drawn_times_give_the_plain_gradients():
-    """Any-depth training draws the step count and Euler's time offsets per iteration: the generator
-    takes the same ones."""
+    """Any-depth training draws the step count and Euler's time offsets per iteration: the one
+    hypernetwork call of train_step takes the same ones."""
     torch.manual_seed(0)
     model = DiffEqFormer(ModelConfig(**TINY)).double()
     perturb(model)
     x = micro_batches(1, TINY["vocab_size"])[0]
-    offsets = torch.rand(5, dtype=torch.float64)
-    _, loss = model(x, x, steps=5, offsets=offsets)
+    cfg = train.TrainConfig(train_steps="2-6", time_jitter=True)
+    steps, offsets = train.iteration_steps(0, cfg, model.cfg)
+    _, loss = model(x, x, steps=steps, offsets=offsets)
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    gen = weightgen.WeightGenerator(model)
-    gen.generate(5, offsets=offsets)
-    _, again = model(x, x, steps=5, weights=gen.weights())
-    again.backward()
-    gen.backward()
-    assert again.item() == loss.item()
-    assert_close_grads({n: p.grad for n, p in model.named_parameters()}, want, 1e-12)
+    again, got = step_gradients(model, [x], train_steps="2-6", time_jitter=True)
+    assert again.item() == pytest.approx(loss.item(), rel=1e-6)
+    assert_close_grads(got, want, 1e-12)
+
+
+def test_the_generator_of_a_sharded_hypernetwork_gives_train_steps_gradients_unsharded():
+    """scale/weightgen.py, run on one process, equals the path every one-process run takes."""
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**{**TINY, "dropout": 0.1})).double()
+    perturb(model)
+    batches = micro_batches(3, TINY["vocab_size"])
+    _, want = step_gradients(model, batches)
+    _, got = step_gradients(model, batches, gen=WeightGenerator(model))
+    assert_close_grads(got, want, 1e-12)
 
 
 def test_training_runs_the_same_with_weights_once_or_in_every_forward(tmp_path, shakespeare):
@@ -128,17 +168,14 @@ def test_generated_weights_are_leaves_in_the_compute_dtype_with_fp32_gradients()
     batches = micro_batches(2, TINY["vocab_size"])
     _, want = plain_gradients(model, batches)
     model.zero_grad(set_to_none=True)
-    gen = weightgen.WeightGenerator(model, torch.bfloat16)
+    gen = WeightGenerator(model, torch.bfloat16)
     gen.generate()
     w = gen.weights()[0]
     assert w["attn"][0].dtype == torch.bfloat16 and gen.flat.dtype == torch.float32
-    for i, x in enumerate(batches):
-        torch.manual_seed(100 + i)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(x, x, weights=gen.weights())
-        (loss / len(batches)).backward()
-    gen.backward()
-    assert_close_grads({n: p.grad for n, p in model.named_parameters()}, want, 0.1)
+    bf16 = common.Env(torch.device("cpu"), torch.bfloat16)
+    for g in (gen, None):  # the sharded path's generator, and train_step's own leaves, under autocast
+        _, got = step_gradients(model, batches, env=bf16, gen=g)
+        assert_close_grads(got, want, 0.1)
 
 
 def test_fused_adamw_is_used_on_cpu_and_equals_the_default():
@@ -181,44 +218,36 @@ def spawn(fn, args, world=2, timeout=300):
             pytest.fail(f"{fn.__name__} did not finish in {timeout} s")
 
 
-def gradient_worker(rank, world, store, out, shape, parallel, dtype, accum, once):
+def gradient_worker(rank, world, store, out, shape, mode, dtype, accum, once):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        env = runtime.Env(torch.device("cpu"), dtype, rank, rank, world)
-        cfg = train.TrainConfig(parallel=parallel, generate_once=once)
+        env = common.Env(torch.device("cpu"), dtype, rank, rank, world)
+        cfg = train.TrainConfig(parallel=mode, generate_once=once)
         torch.manual_seed(0)
-        with torch.device("meta" if parallel == "fsdp" else "cpu"):
+        with torch.device("meta" if mode == "fsdp" else "cpu"):
             model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
-        model, raw = train.build(model, cfg, env)
-        initial = {n: (p.full_tensor() if parallel == "fsdp" else p).detach().clone() for n, p in raw.named_parameters()}
-        if parallel == "fsdp" and not once:  # the policy on the units that FSDP2 runs
+        model = parallel.build(model, cfg, env)
+        raw = parallel.unwrap(model)
+        full = {n: (p.full_tensor() if mode == "fsdp" else p).detach().clone() for n, p in raw.named_parameters()}
+        if mode == "fsdp" and not once:  # the policy on the units that FSDP2 runs
             policy = raw.hyper.attn._get_fsdp_state()._mp_policy
-            assert (policy.param_dtype, policy.reduce_dtype) == ((torch.bfloat16, torch.float32) if dtype == torch.bfloat16
-                                                                 else (None, None))
+            want = (torch.bfloat16, torch.float32) if dtype == torch.bfloat16 else (None, None)
+            assert (policy.param_dtype, policy.reduce_dtype) == want
         perturb(raw)
-        gen = weightgen.WeightGenerator(raw, dtype) if once else None
-        if once:
-            gen.generate()
+        gen = WeightGenerator(raw, dtype) if mode == "fsdp" and once else None
         batches = micro_batches(accum, SHAPES[shape]["vocab_size"])
-        mine = list(range(rank, accum, world))
-        for j, i in enumerate(mine):
-            torch.manual_seed(100 + i)
-            with train.sync(model, j == len(mine) - 1, cfg, env), env.autocast():
-                _, loss = model(batches[i], batches[i], weights=gen.weights() if once else None)
-                (loss / len(mine)).backward()
-        if once:
-            gen.backward()
-        grads = {n: (p.grad.full_tensor() if parallel == "fsdp" else p.grad).float() for n, p in raw.named_parameters()}
-        torch.save(dict(initial=initial, grads=grads), os.path.join(out, f"rank{rank}.pt"))
+        _, grads = step_gradients(model, batches, env, gen, parallel=mode, generate_once=once)
+        torch.save(dict(initial=full, grads={n: g.float() for n, g in grads.items()}),
+                   os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shape,parallel,dtype,once", [("gpt", "ddp", "float32", True), ("gpt", "fsdp", "float32", True),
+@pytest.mark.parametrize("shape,mode,dtype,once", [("gpt", "ddp", "float32", True), ("gpt", "fsdp", "float32", True),
                                                        ("llama", "fsdp", "float32", True), ("llama", "ddp", "float32", True),
                                                        ("gpt", "fsdp", "bfloat16", True), ("gpt", "fsdp", "bfloat16", False)])
-def test_two_processes_generate_the_plain_gradients(tmp_path, shape, parallel, dtype, once):
+def test_two_processes_generate_the_plain_gradients(tmp_path, shape, mode, dtype, once):
     """DDP: dL/dW all-reduced once; FSDP2: each process generates its columns of W from its shards,
     all-gathers them, reduce-scatters dL/dW. Both equal one process generating W in every forward pass
     over all 4 micro-batches; a sharded build starts from the one-process build's weights. bfloat16: the
@@ -229,8 +258,8 @@ def test_two_processes_generate_the_plain_gradients(tmp_path, shape, parallel, d
     model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     perturb(model)
-    _, want = plain_gradients(model, micro_batches(accum, SHAPES[shape]["vocab_size"]))
-    spawn(gradient_worker, (str(tmp_path / "store"), str(tmp_path), shape, parallel, dtype, accum, once))
+    _, want = plain_gradients(model, micro_batches(accum, SHAPES[shape]["vocab_size"]), world=2)
+    spawn(gradient_worker, (str(tmp_path / "store"), str(tmp_path), shape, mode, dtype, accum, once))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(torch.equal(got["initial"][n], p) for n, p in initial.items())
@@ -260,7 +289,7 @@ def test_sharded_checkpoints_of_the_new_path_resume_exactly_and_convert(tmp_path
     for it in range(3, 6):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
     train.main([f"--convert={tmp_path / 'b' / 'ckpt_sharded'}"])
-    ckpt = checkpoints.load(str(tmp_path / "b" / "ckpt.pt"))
+    ckpt = common.load(str(tmp_path / "b" / "ckpt.pt"))
     assert ckpt["iter_num"] == 6
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
 
@@ -276,13 +305,13 @@ def test_the_memory_check_refuses_a_plan_larger_than_the_machine_on_cpu(tmp_path
 def test_the_plan_names_every_term_and_fits_llama1b_on_8_gpus(capsys):
     from configurator import parse_config
     mcfg, cfg, _ = parse_config(["config/llama1b.py", "--gpus=8"], ModelConfig, train.TrainConfig)
-    total = sum(train.dry_run(mcfg, cfg, 1).values()) / 2 ** 30
+    total = sum(memory.dry_run(mcfg, cfg, 1).values()) / 2 ** 30
     out = capsys.readouterr().out
     assert total <= 60
     for term in ("generated weights W(t_k), bfloat16, all-gathered once per step", "dL/dW(t_k), accumulated in fp32",
                  "FSDP2 root gathered", "activations", "logits", "CUDA context"):
         assert term in out, term
-    old = train.dry_run(mcfg, train.TrainConfig(**{**cfg.__dict__, "generate_once": False}), 1, verbose=False)
+    old = memory.dry_run(mcfg, train.TrainConfig(**{**cfg.__dict__, "generate_once": False}), 1, verbose=False)
     assert any("unsharded fp32 gradients kept while gradient sync is off" in k and v > 20 * 2 ** 30 for k, v in old.items())
 
 
@@ -293,7 +322,7 @@ def comm_worker(rank, world, store, out, parallel):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        env = runtime.Env(torch.device("cpu"), torch.float32, rank, rank, world)
+        env = common.Env(torch.device("cpu"), torch.float32, rank, rank, world)
         result = {}
         args = [f"--{k}={v}" for k, v in TINY.items()] + [f"--parallel={parallel}", "--batch_size=2",
                                                            "--gradient_accumulation_steps=4"]

@@ -1,4 +1,4 @@
-"""train.py, configurator.py and runtime.py: the command line, real training, resuming, DDP and FSDP2."""
+"""train.py, configurator.py and common.py: the command line, real training, resuming, DDP and FSDP2."""
 import json
 import os
 import subprocess
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import checkpoints
-import runtime
+import common
 import train
+from scale import memory
 from configurator import ConfigError, UserError, parse_config
 from model import DiffEqFormer, ModelConfig
 
@@ -130,15 +130,15 @@ def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0] - 0.5
     assert os.path.getsize(tmp_path / "out" / "loss.png") > 5000
-    ckpt = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))
+    ckpt = common.load(str(tmp_path / "out" / "ckpt.pt"))
     assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
 
 
 def test_resume_continues_exactly(tmp_path, shakespeare):
-    common = [f"--input_file={shakespeare}", "--max_iters=10", "--eval_interval=5", "--dropout=0.1"]
-    straight = losses(run(tmp_path, *common, out="a"))
-    run(tmp_path, *common, "--stop_at=5", out="b")
-    resumed = losses(run(tmp_path, *common, "--init_from=resume", "--ffn_dim=64", out="b"))  # shape from the checkpoint
+    shared = [f"--input_file={shakespeare}", "--max_iters=10", "--eval_interval=5", "--dropout=0.1"]
+    straight = losses(run(tmp_path, *shared, out="a"))
+    run(tmp_path, *shared, "--stop_at=5", out="b")
+    resumed = losses(run(tmp_path, *shared, "--init_from=resume", "--ffn_dim=64", out="b"))  # shape from the checkpoint
     assert sorted(resumed) == list(range(10))
     for it in range(5, 10):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
@@ -147,10 +147,10 @@ def test_resume_continues_exactly(tmp_path, shakespeare):
 def test_compiled_run_checkpoint_loads_into_plain_model(tmp_path, shakespeare):
     torch._dynamo.reset()
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2", "--compile")
-    ckpt = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))
+    ckpt = common.load(str(tmp_path / "out" / "ckpt.pt"))
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
-    assert checkpoints.clean_state_dict({"module._orig_mod.wte.weight": 1}) == {"wte.weight": 1}
+    assert common.clean_state_dict({"module._orig_mod.wte.weight": 1}) == {"wte.weight": 1}
 
 
 def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path, shakespeare):
@@ -160,7 +160,7 @@ def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("gradient_accumulation_steps=3 rounded up to 4, a multiple of the 2 processes") == 1
-    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["train_config"]["gradient_accumulation_steps"] == 4
+    assert common.load(str(tmp_path / "out" / "ckpt.pt"))["train_config"]["gradient_accumulation_steps"] == 4
 
 
 def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypatch, capsys):
@@ -178,15 +178,15 @@ def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypat
 
 
 def test_mfu_peaks(monkeypatch):
-    assert runtime.gpu_peak("NVIDIA H100 80GB HBM3") == 989e12 and runtime.gpu_peak("NVIDIA H100 PCIe") == 756e12
-    assert runtime.gpu_peak("NVIDIA L40S") == 362e12 and runtime.gpu_peak("NVIDIA L40") == 181e12
-    assert runtime.gpu_peak("Tesla V100-SXM2-16GB") is None  # no native bf16: measured in the run's dtype
-    env = runtime.Env(torch.device("cpu"), torch.float32)
-    assert runtime.peak_flops(env, given=3e11) == 3e11
+    assert common.gpu_peak("NVIDIA H100 80GB HBM3") == 989e12 and common.gpu_peak("NVIDIA H100 PCIe") == 756e12
+    assert common.gpu_peak("NVIDIA L40S") == 362e12 and common.gpu_peak("NVIDIA L40") == 181e12
+    assert common.gpu_peak("Tesla V100-SXM2-16GB") is None  # no native bf16: measured in the run's dtype
+    env = common.Env(torch.device("cpu"), torch.float32)
+    assert common.peak_flops(env, given=3e11) == 3e11
     sizes = []
     real_matmul = torch.Tensor.__matmul__
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: sizes.append(a.shape) or real_matmul(a, b))
-    assert runtime.peak_flops(env) > 0 and set(sizes) == {(2048, 2048)}
+    assert common.peak_flops(env) > 0 and set(sizes) == {(2048, 2048)}
 
 
 def test_startup_summary_is_a_few_readable_lines(tmp_path, shakespeare, capsys):
@@ -229,10 +229,10 @@ def torchrun(tmp_path, *args, out):
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_match_one(tmp_path, shakespeare, parallel):
-    common = [f"--input_file={shakespeare}", "--max_iters=5", "--eval_interval=5", "--gradient_accumulation_steps=2",
+    shared = [f"--input_file={shakespeare}", "--max_iters=5", "--eval_interval=5", "--gradient_accumulation_steps=2",
               "--eval_iters=3"]  # not a multiple of the 2 processes: their evaluation passes must still pair up
-    single = run(tmp_path, *common, out="one")
-    double = torchrun(tmp_path, *common, f"--parallel={parallel}", out="two")
+    single = run(tmp_path, *shared, out="one")
+    double = torchrun(tmp_path, *shared, f"--parallel={parallel}", out="two")
     a, b = losses(single), losses(double)
     assert sorted(a) == sorted(b) == list(range(5))
     assert single[-1]["val_loss"] == pytest.approx(double[-1]["val_loss"], abs=1e-4)
@@ -243,20 +243,20 @@ def test_two_processes_match_one(tmp_path, shakespeare, parallel):
     path = str(tmp_path / "two" / "ckpt.pt")
     if parallel == "fsdp":
         train.main([f"--convert={tmp_path / 'two' / 'ckpt_sharded'}"])
-    ckpt = checkpoints.load(path)
+    ckpt = common.load(path)
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
-    reference = checkpoints.load(str(tmp_path / "one" / "ckpt.pt"))
+    reference = common.load(str(tmp_path / "one" / "ckpt.pt"))
     for k, v in reference["model"].items():
         assert torch.allclose(ckpt["model"][k], v, atol=1e-4), k
 
 
 def test_dry_run_plans_llama1b(capsys):
     mcfg, cfg, _ = parse_config(["config/llama1b.py", "--gpus=8"], ModelConfig, train.TrainConfig)
-    plan = train.dry_run(mcfg, cfg, 1)
+    plan = memory.dry_run(mcfg, cfg, 1)
     assert sum(plan.values()) / 2 ** 30 < 60
     assert "6,7" in capsys.readouterr().out  # ~6.7B parameters printed
     with pytest.raises(UserError, match="does not fit in 80 GiB; shard it with parallel='fsdp'"):
-        train.dry_run(mcfg, train.TrainConfig(**{**cfg.__dict__, "parallel": "ddp"}), 1)
+        memory.dry_run(mcfg, train.TrainConfig(**{**cfg.__dict__, "parallel": "ddp"}), 1)
 
 
 def test_a_failing_rank_stops_every_rank(tmp_path):
@@ -280,11 +280,11 @@ def test_any_depth_draws_are_reproducible_and_resume_exactly(tmp_path, shakespea
     assert all(n == m and torch.equal(a, b) and len(a) == n for (n, a), (m, b) in zip(draws, again))
     assert all(0 <= a.min() and a.max() < 1 for _, a in draws)
     assert train.iteration_steps(0, train.TrainConfig(), mcfg) == (4, None)  # the default: n_layer, no offsets
-    common = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=4", "--dropout=0.1",
+    shared = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=4", "--dropout=0.1",
               "--train_steps=1-3", "--time_jitter"]
-    straight = losses(run(tmp_path, *common, out="a"))
-    run(tmp_path, *common, "--stop_at=4", out="b")
-    resumed = losses(run(tmp_path, *common, "--init_from=resume", out="b"))
+    straight = losses(run(tmp_path, *shared, out="a"))
+    run(tmp_path, *shared, "--stop_at=4", out="b")
+    resumed = losses(run(tmp_path, *shared, "--init_from=resume", out="b"))
     assert all(resumed[it] == pytest.approx(straight[it], abs=1e-6) for it in range(4, 8))
 
 

@@ -1,42 +1,33 @@
 """
-The ODE's weights, generated once per optimizer step, and under FSDP2 generated where they are sharded.
+The ODE's weights once per optimizer step, generated where the hypernetwork is sharded (FSDP2).
 
-W(t) = reshape(A_W z(t) + B_W) (SPEC 3) depends on the hypernetwork only, not on the batch. So the
-training loop (train.py) generates the weights of every stage time once per iteration, runs every
-micro-step against detached copies of them (leaves) that collect dL/dW, and pulls dL/dW back into the
-hypernetwork once, after the last micro-step:
+On one process and under DDP, train.train_step does this in a few visible lines (METHOD 8): one
+hypernetwork call, detached leaves that collect dL/dW over the micro-steps, one backward into the
+hypernetwork (under DDP, dL/dW is all-reduced first: as many bytes as a GPT's gradients). Under FSDP2
+the hypernetwork's parameters are sharded, and gathering them (6.5B for the ODE Llama-1B) is what
+sharding avoids. This file does the same steps without gathering A_W:
 
-    gen.generate()                                       # W(t_k) for every stage time t_k, as leaves
+    gen.generate(steps)                                  # W(t_k) for every stage time t_k, as leaves
     for x, y in micro_batches:
         _, loss = model(x, y, weights=gen.weights())
         (loss / accum).backward()                        # dL/dW(t_k) += ..., kept in float32
     gen.backward()                                       # dL/dtheta = (dW/dtheta)^T dL/dW, once
 
-The gradients are those of generating the weights in every forward pass: the pull-back is linear in
-dL/dW, so the sum over micro-steps can be taken before it. The hypernetwork's forward and backward run
-once per iteration instead of once per micro-step, and its activations (z(t), and under autocast the
-bf16 copies of A_W) are not kept through the micro-steps.
-
-Across processes:
-  * DDP: the hypernetwork is left out of DDP's reducer (train.build). dL/dW is all-reduced once per
-    iteration, in one call: as many bytes as a GPT's gradients of the same shape. Every process then
-    pulls back the same dL/dW, so the hypernetwork's gradients agree without being reduced.
-  * FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first dimension, which is the flat index
-    of W's entries: the process holding rows [a, b) of them generates columns [a, b) of the flat W(t)
-    (T, out*in), for every time, from its own shard, without gathering A_W. Those columns are
-    all-gathered in the compute dtype (bf16 on CUDA), dL/dW is reduce-scattered back to them in float32,
-    and the pull-back into A_W and B_W is local. Biases (C_W) and norm gains (G, H) go the same way. The
-    small time MLPs (d_t x (2S+1) and d_t x d_t per weight) are all-gathered, and their gradients, to
-    which every column contributes, reduce-scattered. The collectives are DTensor redistributions.
+FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first dimension, which is the flat index of
+W's entries: the process holding rows [a, b) of them generates columns [a, b) of the flat W(t)
+(T, out*in), for every time, from its own shard. Those columns are all-gathered in the compute dtype
+(bf16 on CUDA), dL/dW is reduce-scattered back to them in float32, and the pull-back into A_W and B_W
+is local. Biases (C_W) and norm gains (G, H) go the same way. The small time MLPs (d_t x (2S+1) and
+d_t x d_t per weight) are all-gathered, and their gradients, to which every column contributes,
+reduce-scattered. The collectives are DTensor redistributions. Unsharded, the class does what
+train_step does (the tests compare the two).
 """
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.func import functional_call
 
-from model import TimeDependentLinear, TimeDependentNorm, stage_times, time_dtype
+from model import TimeDependentLinear, TimeDependentNorm
 
 
 class WeightGenerator:
@@ -89,11 +80,7 @@ class WeightGenerator:
         back by `offsets` (steps,) as in DiffEqFormer.forward. With grad, as leaves that collect dL/dW for
         backward(); without (evaluation), as plain tensors."""
         steps, solver = self.model.check_steps(steps, solver)
-        ts = stage_times(steps, solver, self.device, time_dtype(self.param_dtype))
-        if offsets is not None:
-            if solver != "euler" or offsets.shape != (steps,):
-                raise ValueError(f"offsets need the euler solver and one offset per step ({steps})")
-            ts = ts - offsets.to(ts) / steps
+        ts = self.model.times(steps, solver, offsets)
         self.release()
         self.generated = {}
         with torch.set_grad_enabled(grad):
@@ -164,9 +151,3 @@ def collect_into(buffer):
         leaf.grad = None
     return hook
 
-
-def generated_numel(model):
-    """Entries of the weights generated for one stage time (what one evaluation of F multiplies with)."""
-    return sum(math.prod(m.shape) + (m.shape[0] if m.C_W is not None else 0) if isinstance(m, TimeDependentLinear)
-               else m.G.size(0) + (m.H.size(0) if m.H is not None else 0)
-               for m in model.hyper.children() if isinstance(m, (TimeDependentLinear, TimeDependentNorm)))

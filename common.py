@@ -1,0 +1,309 @@
+"""
+What every script shares: the device and its precision, seeding, the process group under torchrun,
+the batch loader, checkpoint files, and one `load_model(path)` for any checkpoint this project writes.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from configurator import UserError
+from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
+
+# -- processes and devices --------------------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    device: torch.device
+    dtype: torch.dtype  # compute dtype under autocast (parameters stay fp32)
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):
+        """bf16 autocast on CUDA; plain fp32 elsewhere."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def print(self, *args, **kwargs):
+        if self.master:
+            print(*args, **kwargs, flush=True)
+
+
+def setup(device="auto", dtype="auto", seed=1337):
+    """Pick device and dtype, join the torchrun process group if there is one (NCCL on CUDA, gloo on
+    CPU), and seed the RNG, the same on every rank so that every rank initialises the same model."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("device='cuda' asked for, but torch sees no CUDA device; use --device=cpu")
+    rank, local_rank, world_size = (int(os.environ.get(k, "1" if k == "WORLD_SIZE" else "0"))
+                                    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if world_size > 1:
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    device = torch.device(device)
+    if dtype == "auto":  # bf16 where the GPU has it natively (not V100 or T4, which only emulate it)
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bfloat16" if native_bf16 else "float32"
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"dtype={dtype!r}: use float32, bfloat16 or auto")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(seed)
+    return Env(device, getattr(torch, dtype), rank, local_rank, world_size)
+
+
+def on_master(env, fn, what):
+    """fn() on rank 0 only, the others waiting. If it fails, every rank fails (the others with one
+    line that points at rank 0's message), so that no rank is left hanging in a collective."""
+    error, result = None, None
+    if env.master:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+    if env.distributed:
+        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL sends CUDA tensors only
+        dist.broadcast(flag, 0)
+        if flag.item() and error is None:
+            raise UserError(f"rank 0 could not {what}")
+    if error is not None:
+        raise error
+    return result
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# Dense bf16 tensor-core FLOP/s by GPU name (without sparsity); the first key found in the name wins.
+GPU_PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                 ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
+                 ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12))
+
+
+def gpu_peak(name):
+    """The dense bf16 peak of a GPU by its name, or None for one not in GPU_PEAK_BF16."""
+    return next((flops for key, flops in GPU_PEAK_BF16 if key in name), None)
+
+
+def peak_flops(env, given=0.0):
+    """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
+    when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU) or 8192^2
+    (GPU) matmul in the run's dtype over half a second, with the run's threads."""
+    if given > 0:
+        return given
+    cuda = env.device.type == "cuda"
+    if cuda and env.dtype == torch.bfloat16 and gpu_peak(torch.cuda.get_device_name(env.device)):
+        return gpu_peak(torch.cuda.get_device_name(env.device))
+    n = 8192 if cuda else 2048
+    a = torch.randn(n, n, device=env.device, dtype=env.dtype)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    best, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        sync()
+        t0 = time.perf_counter()
+        a @ a
+        sync()
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+class Batches:
+    """Random (x, y) windows of block_size tokens from a memmapped token file.
+
+    Stateless: the batch for (iteration, micro-step, rank) comes from an RNG seeded by those numbers,
+    so a resumed run continues exactly where it stopped (no batch is replayed), and K processes with
+    one micro-step each see the same examples as one process with K micro-steps."""
+
+    def __init__(self, tokens, block_size, batch_size, device, seed, split_id):
+        if len(tokens) <= block_size + 1:
+            raise UserError(f"the data has {len(tokens)} tokens, fewer than block_size + 2 = "
+                            f"{block_size + 2}")
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.device, self.seed, self.split_id = device, seed, split_id
+
+    def get(self, iteration, index):
+        rng = np.random.default_rng([self.seed, self.split_id, iteration, index])
+        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size)
+        window = np.stack([self.tokens[s:s + self.block_size + 1].astype(np.int64) for s in starts])
+        xy = torch.from_numpy(window)
+        if self.device.type == "cuda":
+            xy = xy.pin_memory().to(self.device, non_blocking=True)
+        return xy[:, :-1], xy[:, 1:]
+
+
+# -- checkpoint files -----------------------------------------------------------------------------------
+# A kill at any moment leaves the last complete checkpoint loadable: a file is written under a
+# temporary name and renamed over the old one (FSDP runs' sharded folders: scale/checkpoint.py).
+
+MODEL = "diffeqformer-model"  # a model: config, weights, and (for a run) optimizer and iteration
+ADAPTERS = "diffeqformer-lora-adapters"  # LoRA adapters alone, with their settings and base checkpoint
+LORA_RUN = "diffeqformer-lora-run"  # a LoRA fine-tuning run's resumable state
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and DDP's
+
+
+def save(obj, path):
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load(path, kind=MODEL, map_location="cpu"):
+    """The checkpoint dict in `path`, loaded with weights_only=True (no code runs). A missing, empty
+    or unreadable file, or one of another kind (`kind` may be a tuple of kinds), is one UserError."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "LATEST")):
+        raise UserError(f"{path} is a sharded checkpoint folder: convert it with "
+                        f"`python train.py --convert={path}`")
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist (train one with `python train.py`, or pass "
+                        f"--init_from=PATH)")
+    if os.path.getsize(path) == 0:
+        raise UserError(f"checkpoint {path} is empty (0 bytes): it was never written completely; "
+                        f"use another one")
+    try:
+        with warnings.catch_warnings():  # a garbage file can make the unpickler warn before it fails
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # a file of any other format fails in any of a dozen ways in the unpickler
+        raise UserError(f"{path} is not a PyTorch checkpoint this project can read "
+                        f"({type(e).__name__}); is it the right file?") from e
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    found = ckpt.get("kind") if isinstance(ckpt, dict) else None
+    if found not in kinds:
+        raise UserError(f"{path} holds a {found or 'foreign object'} checkpoint, not a "
+                        f"{' or '.join(kinds)} checkpoint")
+    return ckpt
+
+
+def clean_state_dict(state_dict):
+    """Strip the prefixes that torch.compile and DDP put in front of parameter names."""
+    out = {}
+    for key, value in state_dict.items():
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        out[key] = value
+    return out
+
+
+def model_from(ckpt, **overrides):
+    """The model a checkpoint dict holds (its config with `overrides`, and its weights), on the CPU
+    in eval mode."""
+    with torch.device("meta"):
+        model = DiffEqFormer(ModelConfig(**{**ckpt["model_config"], **overrides}))
+    model.load_state_dict(clean_state_dict(ckpt["model"]), assign=True)
+    return model.eval()
+
+
+def load_model(path):
+    """(model on the CPU in eval mode, tokenizer name) from any checkpoint this project writes: every
+    model type, a full fine-tune or a merged one, or a LoRA adapters file (materialised on its base,
+    the adapters merged in)."""
+    ckpt = load(path, kind=(MODEL, ADAPTERS))
+    if ckpt["kind"] == ADAPTERS:
+        import lora  # adapters only: lora.py reads the base checkpoint they name
+        model, base = lora.load_adapted(path)
+        return lora.merge_lora(model).eval(), base.get("tokenizer", "byte")
+    return model_from(ckpt), ckpt.get("tokenizer", "byte")
+
+
+def file_hash(path):
+    """sha256 of a file's bytes: what an adapters file records of its base checkpoint."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def lock(out_dir):
+    """Claim out_dir for this run: an flock on out_dir/.lock, held until the returned file is closed
+    or the process ends (a killed run leaves no stale lock). Then remove the temporary files that a
+    killed run left behind."""
+    import fcntl
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it "
+                        f"to finish or choose another --out_dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    for name in os.listdir(out_dir):
+        if re.search(r"\.tmp\d*$", name):  # what save() and train.trim_log write before renaming
+            os.remove(os.path.join(out_dir, name))
+    return f
+
+
+def trim_log(log_path, start_iter):
+    """A fresh run starts a new log; a resumed one keeps only the rows up to its checkpoint (the
+    evaluation at start_iter, not the training rows a killed run wrote after it)."""
+    if not os.path.exists(log_path):
+        return
+    if start_iter == 0:
+        os.remove(log_path)
+        return
+    with open(log_path) as f:
+        rows = [line for line in f if line.strip()]
+    kept = [line for line in rows if (r := json.loads(line))["iter"] < start_iter
+            or (r["iter"] == start_iter and "val_loss" in r)]
+    with open(log_path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(log_path + ".tmp", log_path)
+
+
+# -- what a model costs ------------------------------------------------------------------------------
+
+def block_params(mcfg):
+    """Parameters of one block's weights (what one solver step multiplies with)."""
+    return sum(i * o + (o if b else 0) for i, o, b in block_shapes(mcfg).values()) + 4 * mcfg.n_embd
+
+
+def flops_per_token(mcfg, hyper_params, tokens_per_forward, steps=None):
+    """Training FLOPs per token, forward + backward = 3 x forward (METHOD 7): 2 per weight per token
+    for the steps and the head, attention, and the hypernetwork's generation of the weights spread
+    over the tokens of one generation (a forward pass, or a process's iteration)."""
+    steps = steps or mcfg.n_layer
+    evals = steps * len(SOLVERS[mcfg.solver]) if mcfg.is_ode else mcfg.n_layer
+    C, T = mcfg.n_embd, mcfg.block_size
+    # attention: q k^T and the weighted sum of v, 2 x 2 T C per token, counted causally (half of it:
+    # flash attention never computes the masked half). PaLM's and nanoGPT's MFU count both halves.
+    forward = 2 * (evals * block_params(mcfg) + C * mcfg.vocab_size) + 2 * evals * T * C
+    forward += 2 * hyper_params * (evals if mcfg.model_type == "diffeq" else 0) / tokens_per_forward
+    return 3 * forward

@@ -1,0 +1,128 @@
+"""
+LoRA as minLoRA does it: a parametrization of an nn.Linear weight, W -> W + (alpha / r) B A with B
+zero at the start (METHOD 5), so that the model class is untouched and a model with fresh adapters
+computes exactly what it computed before.
+
+    add_lora(model, rank=8, alpha=16)      # freeze everything, adapt every block linear
+    lora_state_dict(model)                 # the adapters alone, for adapters.pt
+    merge_lora(model)                      # fold B A into W: ordinary nn.Linear layers again
+
+The blocks read weights, not inputs (model.py calls F.linear with the weight), so LoRA dropout acts
+on the weight's low-rank path: it drops whole input columns of A, as dropout on the input of that
+path would. An adapters file names its base checkpoint and its sha256; `load_adapted` refuses a base
+that has changed.
+"""
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.utils.parametrize as parametrize
+
+import common
+from configurator import UserError
+from model import block_shapes
+
+
+class LoRA(nn.Module):
+    """W -> W + (alpha / r) lora_B lora_A (METHOD 5), a parametrization of a weight (out, in)."""
+
+    def __init__(self, d_out, d_in, rank, alpha, dropout):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(rank, d_in))
+        self.lora_B = nn.Parameter(torch.zeros(d_out, rank))  # zero: the model starts unchanged
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scale, self.dropout = alpha / rank, dropout
+
+    def forward(self, W):
+        A = self.lora_A
+        if self.training and self.dropout > 0:  # a (1, in) mask: whole input columns of A
+            A = A * nn.functional.dropout(torch.ones_like(A[:1]), self.dropout)
+        return W + self.scale * (self.lora_B @ A).to(W.dtype)
+
+
+def lora_targets(model, targets):
+    """{name: nn.Linear} of every block linear that `targets` ("all" or comma-separated names) picks."""
+    valid = sorted(block_shapes(model.cfg))
+    names = set(valid) if targets == "all" else {t.strip() for t in targets.split(",") if t.strip()}
+    unknown = sorted(names - set(valid))
+    if unknown or not names:
+        raise UserError(f"lora_targets={targets!r}: {', '.join(unknown) or 'nothing'} is not a linear "
+                        f"layer of this {model.cfg.flavor} model; choose from {', '.join(valid)} "
+                        f"(comma-separated), or all")
+    return {f"layers.{k}.{name}": getattr(layer, name) for k, layer in enumerate(model.layers)
+            for name in sorted(names)}
+
+
+def add_lora(model, rank=8, alpha=16.0, dropout=0.0, targets="all"):
+    """Freeze the model and put LoRA on every target linear of every layer."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in lora_targets(model, targets).values():
+        lora = LoRA(m.out_features, m.in_features, rank, alpha, dropout)
+        parametrize.register_parametrization(m, "weight", lora.to(m.weight.device))
+    return model
+
+
+def lora_state_dict(model):
+    """The adapters alone: {parameter name: tensor} of every LoRA module's lora_A and lora_B."""
+    return {f"{name}.{key}": value for name, m in model.named_modules() if isinstance(m, LoRA)
+            for key, value in m.state_dict().items()}
+
+
+def merge_lora(model):
+    """Fold every adapter into its weight, leaving ordinary nn.Linear layers; refuses a merged model."""
+    merged = 0
+    for m in model.modules():
+        if parametrize.is_parametrized(m, "weight"):
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+            merged += 1
+    if not merged:
+        raise UserError("this model holds no LoRA adapters: they are merged already")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def at_depth(model, steps, path):
+    """The model as a discrete transformer of `steps` layers: an ODE materialised (METHOD 5); a model
+    of fixed layers as it is (asked for another depth, a UserError). steps 0: its own depth."""
+    cfg = model.cfg
+    steps = steps or cfg.n_layer
+    if cfg.is_ode:
+        return model.materialize(steps)
+    if steps != cfg.n_layer:
+        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with {cfg.n_layer} fixed "
+                        f"layers, so it cannot be fine-tuned with --steps {steps}: only a DiffEqFormer "
+                        f"(diffeq or shared) has a depth that is a solver step count; use --steps "
+                        f"{cfg.n_layer} or 0")
+    return model
+
+
+def check_base(path, sha256):
+    """Refuse a base checkpoint that is not the file the adapters (or a run) were trained on."""
+    if not os.path.isfile(path):
+        raise UserError(f"the base checkpoint {path} does not exist: the adapters were trained on it; "
+                        f"if it moved, name it with --merge_base=PATH")
+    if common.file_hash(path) != sha256:
+        raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run started "
+                        f"(its sha256 no longer matches): adapters on it would be folded into the wrong "
+                        f"weights; keep the original base at that path, or name it with "
+                        f"--merge_base=PATH when merging")
+
+
+def load_adapted(path, base_path=None):
+    """An adapters file on its base checkpoint (the recorded one, or `base_path` if it moved, checked
+    by its sha256): (the base at the adapters' depth with the adapters in place, base checkpoint)."""
+    adapters = common.load(path, kind=common.ADAPTERS)
+    base_path = base_path or adapters["base_checkpoint"]
+    check_base(base_path, adapters["base_sha256"])
+    base_ckpt = common.load(base_path)
+    model = at_depth(common.model_from(base_ckpt).train(), adapters["steps"], base_path)
+    add_lora(model, adapters["rank"], adapters["alpha"], targets=adapters["targets"])
+    result = model.load_state_dict(adapters["adapters"], strict=False)
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if result.unexpected_keys or missing:
+        raise UserError(f"{path} does not fit its base checkpoint (for example "
+                        f"{(result.unexpected_keys + missing)[0]})")
+    return model, base_ckpt

@@ -1,0 +1,134 @@
+"""
+Sharded checkpoints of FSDP2 runs (torch.distributed.checkpoint): every rank writes its own shards,
+so 6.5B parameters are never gathered on one rank, and `python train.py --convert=FOLDER` turns the
+latest one into the ordinary single file.
+
+A kill at any moment leaves the last complete checkpoint loadable: each save is a new folder
+`iter_K/` inside `ckpt_sharded/`, and the text file `ckpt_sharded/LATEST` is switched to it
+(atomically) only once it is complete; older folders, and incomplete ones, are removed after that.
+train.py's checkpoints go through save_run / load_run / restore_run, which write and read
+out_dir/ckpt.pt on one process or under DDP, and the sharded folder under FSDP2.
+"""
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+import common
+from configurator import UserError
+from scale import parallel
+
+
+def latest_sharded(folder):
+    """The complete checkpoint folder that `folder/LATEST` names."""
+    pointer = os.path.join(folder, "LATEST")
+    if not os.path.isfile(pointer):
+        raise UserError(f"{folder} is not a sharded checkpoint folder (it has no LATEST file)")
+    with open(pointer) as f:
+        return os.path.join(folder, f.read().strip())
+
+
+def clean(folder):
+    """Remove everything in `folder` but LATEST and the checkpoint it names (what a kill left)."""
+    if not os.path.isdir(folder):
+        return
+    keep = os.path.basename(latest_sharded(folder)) if os.path.isfile(os.path.join(folder, "LATEST")) else None
+    for name in os.listdir(folder):
+        if name not in (keep, "LATEST"):
+            path = os.path.join(folder, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def save_sharded(model, optimizer, meta, folder, iteration, master):
+    """Every rank writes its own shards into folder/iter_K; rank 0 writes meta.pt, then points
+    LATEST at the new folder, then removes the others."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    name = f"iter_{iteration:07d}"
+    target = os.path.join(folder, name)
+    if master:
+        clean(folder)  # an incomplete earlier attempt, at this iteration or another (LATEST never named it)
+    dist.barrier()
+    dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(target, "model"))
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(target, "optimizer"))
+    dist.barrier()
+    if master:
+        common.save(meta, os.path.join(target, "meta.pt"))
+        with open(os.path.join(folder, "LATEST.tmp"), "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(folder, "LATEST.tmp"), os.path.join(folder, "LATEST"))
+        clean(folder)
+    dist.barrier()
+
+
+def load_sharded(model, optimizer, folder):
+    """Load the latest sharded checkpoint of `folder` into the FSDP-wrapped model and its optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    path = latest_sharded(folder)
+    msd = get_model_state_dict(model)
+    dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
+    set_model_state_dict(model, msd)
+    osd = get_optimizer_state_dict(model, optimizer)
+    dcp.load(osd, checkpoint_id=os.path.join(path, "optimizer"))
+    set_optimizer_state_dict(model, optimizer, osd)
+
+
+def load_full_state(model, state_dict):
+    """Load an ordinary (full) state dict into the FSDP-wrapped model, each rank keeping its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
+def convert_sharded(folder, dst):
+    """A sharded checkpoint folder -> the ordinary single file (model only, no optimizer state)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = latest_sharded(folder)
+    meta = common.load(os.path.join(path, "meta.pt"))
+    tmp = f"{dst}.model.tmp{os.getpid()}"
+    dcp_to_torch_save(os.path.join(path, "model"), tmp)
+    model = torch.load(tmp, weights_only=True)
+    os.remove(tmp)
+    common.save({**meta, "model": common.clean_state_dict(model), "optimizer": None}, dst)
+
+
+# -- a training run's checkpoint: one file, or the sharded folder under FSDP2 ----------------------
+
+def save_run(model, optimizer, state, cfg, env, extra):
+    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP the folder out_dir/ckpt_sharded
+    that every rank writes its own shards to."""
+    meta = {"kind": common.MODEL, **extra, **state}
+    if parallel.sharded(cfg, env):
+        save_sharded(model, optimizer, meta, os.path.join(cfg.out_dir, "ckpt_sharded"),
+                                  state["iter_num"], env.master)
+    elif env.master:
+        common.save({**meta, "model": parallel.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()},
+                    os.path.join(cfg.out_dir, "ckpt.pt"))
+
+
+def load_run(cfg, env, kind=common.MODEL):
+    """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no weights)."""
+    folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
+    if parallel.sharded(cfg, env):
+        return common.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
+    if os.path.isdir(folder) and not os.path.exists(single):
+        raise UserError(f"{cfg.out_dir} holds a sharded checkpoint: resume it under torchrun with "
+                        f"--parallel=fsdp, or convert it first with --convert={folder}")
+    return common.load(single, kind)
+
+
+def restore_run(model, optimizer, ckpt, cfg, env):
+    """Model and optimizer state into the built model, from `ckpt` or the sharded folder. A file
+    without optimizer state (converted from shards, or merged) resumes with a fresh AdamW state."""
+    if parallel.sharded(cfg, env):
+        return load_sharded(model, optimizer, os.path.join(cfg.out_dir, "ckpt_sharded"))
+    parallel.unwrap(model).load_state_dict(common.clean_state_dict(ckpt["model"]))
+    if ckpt.get("optimizer") is None:
+        env.print("note: the checkpoint holds no optimizer state (a converted or merged file): AdamW "
+                  "starts afresh, so the run continues but does not reproduce an uninterrupted one")
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
