@@ -1,12 +1,12 @@
 """
 Downstream evaluation with EleutherAI's lm-evaluation-harness (the paper's Tables 4-5), for any checkpoint.
 
-    python eval.py --tasks lambada_openai,piqa --num_fewshot 5 --init_from=out/ckpt.pt
-    python eval.py --tasks arc_easy,arc_challenge,hellaswag,sciq,winogrande,logiqa --init_from=out/ckpt.pt --steps 12
-    python eval.py --tasks shakespeare --include_path=tasks --compare=out-gpt/ckpt.pt    # a local task, two models
-    python eval.py --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
+    python -m experiments.eval --tasks lambada_openai,piqa --num_fewshot 5 --init_from=out/ckpt.pt
+    python -m experiments.eval --tasks arc_easy,arc_challenge,hellaswag,sciq,winogrande,logiqa --init_from=out/ckpt.pt --steps 12
+    python -m experiments.eval --tasks shakespeare --include_path=experiments/tasks --compare=out-gpt/ckpt.pt  # a local task, two models
+    python -m experiments.eval --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
 
-lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when eval.py runs. The
+lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when this module runs. The
 checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with sample.load_model (every kind:
 DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
 text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
@@ -25,7 +25,7 @@ A text with no context starts after the end-of-text token where the tokenizer ha
 is not scored. Writes into --out: results.json (lm-eval's results, with the models and this config),
 results.md (a table: value +- standard error, one column per checkpoint) and, with --compare, results.png.
 The paper's tasks download from Hugging Face (a network is needed once); local tasks are YAML files in
---include_path (see tasks/).
+--include_path (see experiments/tasks/).
 """
 import json
 import os
@@ -79,7 +79,7 @@ def harness():
         import lm_eval.api.model
         import lm_eval.tasks
     except ImportError as e:
-        raise UserError("eval.py needs lm-evaluation-harness: pip install -r requirements-eval.txt") from e
+        raise UserError("experiments.eval needs lm-evaluation-harness: pip install -r requirements-eval.txt") from e
     return lm_eval
 
 

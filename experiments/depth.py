@@ -1,8 +1,8 @@
 """
 An ODE checkpoint's validation loss against its step count and solver, without fine-tuning.
 
-    python depth.py                                              # out/ckpt.pt at 3, 6, 12, 24 steps
-    python depth.py --init_from=out-anydepth/ckpt.pt --steps=2,3,4,6,8,12,16,24 --solvers=euler,rk4
+    python -m experiments.depth                                  # out/ckpt.pt at 3, 6, 12, 24 steps
+    python -m experiments.depth --init_from=out-anydepth/ckpt.pt --steps=2,3,4,6,8,12,16,24 --solvers=euler,rk4
 
 A DiffEqFormer's depth is a solver step count, so a trained model can run at any N and with any
 fixed-step solver (SPEC 2). Whether it is any good there is an empirical question: this prints the
