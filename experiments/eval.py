@@ -31,16 +31,14 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import plots
 import prepare
 import runtime
 import sample
-from analyze import save_figure
 from configurator import UserError, parse_config, run_main
 from model import time_dtype
 
@@ -258,26 +256,6 @@ def markdown(runs):
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(runs, path):
-    """Each metric in a panel of its own, a group of bars per task, one bar per checkpoint with its stderr."""
-    table = [metric_rows(r) for r in runs]
-    metrics = list(dict.fromkeys(metric for _, metric, *_ in table[0]))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1, 3.4), squeeze=False)
-    width = 0.8 / len(runs)
-    for ax, metric in zip(axes[0], metrics):
-        for j, (run, rows) in enumerate(zip(runs, table)):
-            rows = [row for row in rows if row[1] == metric]
-            x = np.arange(len(rows)) + (j - (len(runs) - 1) / 2) * width
-            ax.bar(x, [v for *_, v, _ in rows], width, yerr=[s or 0 for *_, s in rows], capsize=3,
-                   label=run["config"]["label"], color=f"C{j}")
-        ax.set_xticks(np.arange(len(rows)), [task for task, *_ in rows], rotation=20, ha="right")
-        ax.set_title(metric)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
 # -- the script -----------------------------------------------------------------------------------------
 
 def main(argv):
@@ -299,7 +277,8 @@ def main(argv):
         f.write(table)
     print(table)
     if len(runs) == 2:
-        bar_chart(runs, os.path.join(cfg.out, "results.png"))
+        plots.eval_bars([r["config"]["label"] for r in runs], [metric_rows(r) for r in runs],
+                        os.path.join(cfg.out, "results.png"))
     print(f"wrote {cfg.out}/results.json, {cfg.out}/results.md" + f", {cfg.out}/results.png" * (len(runs) == 2))
 
 
