@@ -7,7 +7,7 @@ Look inside a trained DiffEqFormer: the paper's analysis section (SPEC 6; Tong e
     python analyze.py --cluster                        # the particle simulation; needs no checkpoint
     python analyze.py --all --init_from=out/ckpt.pt --out=out-analyze
 
-Three modes, each writing figures and the raw arrays into --out:
+Three modes, each writing the raw arrays and figures (drawn by plots.py) into --out:
 
 * `--spectral` (Fig. 2a/2b, App. E): eigenvalues of QK_h(t) = Wq_h Wk_h^T and OV_h(t) = Wv_h Wo_h for every
   head, and of the FFN product W1 W2, in the "x W" convention of SPEC 6. For an ODE checkpoint they are taken
@@ -27,30 +27,23 @@ analysis code differs, this file follows SPEC 6: the Lyapunov Jacobians and the 
 forward pass's times (k+1)/N (theirs at k/N), the spectra come through the time MLP (theirs bypass it) and
 the eigenvalues stay complex (theirs drop the imaginary parts).
 """
-import html
-import io
 import os
 from dataclasses import dataclass
 
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image  # matplotlib's own dependency
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 import checkpoints
+import plots
 import prepare
 from configurator import UserError, parse_config, run_main
 from model import DiffEqFormer, ModelConfig, apply_rope, norm, rope_tables, sequential_block, vector_field
 
-matplotlib.use("Agg")  # figures go to files only
-
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the"
 SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}  # f(t) = t^p; p = 0 is 1
-DPI = 100
 
 
 @dataclass
@@ -151,14 +144,6 @@ def head_weights(W, n_head):
     return W.unflatten(-2, (3, n_head, W.size(-1) // n_head)).unbind(-4)
 
 
-def save_figure(fig, path):
-    """A small PNG: rendered at DPI, then reduced to a 256-colour palette (a third of the bytes for line plots)."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=DPI)
-    plt.close(fig)
-    Image.open(buffer).convert("RGB").quantize(256).save(path, optimize=True)
-
-
 # -- spectral dynamics (SPEC 6, Fig. 2a/2b, App. E) ----------------------------------------------------
 
 def spectra(w, cfg):
@@ -197,8 +182,8 @@ def spectral(model, steps, times, out):
     os.makedirs(out, exist_ok=True)
     np.savez(os.path.join(out, "spectral.npz"), **arrays)
     titles = {"qk": "QK_h = Wq_h Wk_h^T", "ov": "OV_h = Wv_h Wo_h", "ffn": "FFN product W1 W2"}
-    paths = [plot_spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel, f"{titles[n]} ({cfg.model_type}, "
-                           f"{cfg.flavor}, N = {steps})", os.path.join(out, f"spectral_{n}.png"))
+    paths = [plots.spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel, f"{titles[n]} ({cfg.model_type}, "
+                            f"{cfg.flavor}, N = {steps})", os.path.join(out, f"spectral_{n}.png"))
              for n, curve, g in zip(names, curves, grid)]
     print("spectral radius (largest |eigenvalue|, over heads) " +
           ("at the forward pass's times t_k = (k+1)/N:" if cfg.is_ode else "layer by layer:"))
@@ -214,33 +199,6 @@ def spectral(model, steps, times, out):
             line += f"; over all {times} times: {between.min():.4g} .. {between.max():.4g}"
         print(line)
     print(f"wrote {', '.join(paths)} and {os.path.join(out, 'spectral.npz')}")
-
-
-def plot_spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
-    """Real parts and magnitudes against t or layer, one colour per head. Sorted eigenvalues are continuous
-    in t, so each rank is drawn as a line; the forward grid's eigenvalues are marked with dots."""
-    eig = eig if eig.ndim == 3 else eig[:, None]  # the FFN product: one "head"
-    grid_eig = grid_eig if grid_eig.ndim == 3 else grid_eig[:, None]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = plt.get_cmap("tab10")
-    for ax, part, label in ((axes[0], np.real, "real part"), (axes[1], np.abs, "magnitude")):
-        for h in range(eig.shape[1]):
-            values = np.sort(part(eig[:, h]), axis=-1)  # (T, k): each rank a continuous curve
-            ax.plot(x, values, color=colors(h % 10), lw=0.8, alpha=0.6, marker=None if grid_x is not None else "o",
-                    ms=2.5)
-            if grid_x is not None:
-                ax.plot(grid_x, part(grid_eig[:, h]), ".", color=colors(h % 10), ms=4)
-            ax.plot([], [], color=colors(h % 10), label=f"head {h}" if eig.shape[1] > 1 else "W1 W2")
-        for g in grid_x if grid_x is not None else ():
-            ax.axvline(g, color="0.85", lw=0.6, zorder=0)
-        ax.set(xlabel=xlabel, ylabel=f"eigenvalue, {label}")
-        ax.axhline(0, color="0.5", lw=0.6)
-    axes[1].legend(fontsize=8, loc="upper left")
-    fig.suptitle(title + ("; dots and grey lines: the forward pass's t_k = (k+1)/N" if grid_x is not None else ""),
-                 fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path)
-    return path
 
 
 # -- clustering of particles (SPEC 6, App. C.8, Fig. 2c/2d) --------------------------------------------
@@ -295,33 +253,8 @@ def cluster(ccfg, out):
     print("\n".join(table))
     with open(os.path.join(out, "cluster.txt"), "w") as f:
         f.write("\n".join(table) + "\n")
-    png = plot_clusters(paths, t, clusters, ccfg, os.path.join(out, "cluster.png"))
+    png = plots.clusters(list(SCHEDULES), paths, t, clusters, ccfg, os.path.join(out, "cluster.png"))
     print(f"wrote {png}, {os.path.join(out, 'cluster.txt')} and {os.path.join(out, 'cluster.npz')}")
-
-
-def plot_clusters(paths, t, clusters, ccfg, path):
-    fig = plt.figure(figsize=(12, 7.5))
-    colors = plt.get_cmap("tab10")
-    for i, (name, xs) in enumerate(zip(SCHEDULES, paths)):
-        ax = fig.add_subplot(2, 3, i + 1, projection="3d")
-        for j in range(xs.shape[1]):
-            ax.plot(*xs[:, j, :3].T, color=colors(i), lw=0.6, alpha=0.5)
-        ax.scatter(*xs[0, :, :3].T, facecolors="none", edgecolors="0.4", s=12, label="start")
-        ax.scatter(*xs[-1, :, :3].T, color=colors(i), edgecolors="black", s=22, label="end")
-        ax.set_title(f"{name}: {clusters[i, -1]} clusters at t = 1", fontsize=10)
-        ax.set(xticklabels=[], yticklabels=[], zticklabels=[])
-        if i == 0:
-            ax.legend(fontsize=8, loc="upper left")
-    ax = fig.add_subplot(2, 3, 6)
-    for i, name in enumerate(SCHEDULES):
-        ax.plot(t, clusters[i], color=colors(i), label=name)
-    ax.set(xlabel="t", ylabel=f"clusters (cosine >= {ccfg.cluster_cos})", ylim=(0, ccfg.particles + 1))
-    ax.legend(fontsize=8)
-    fig.suptitle(f"attention-only particles, weights f(t) (Q0, K0, V0), {ccfg.sim_steps} Euler steps, "
-                 f"{'projected onto the sphere' if ccfg.sphere else 'no projection'} (App. C.8)", fontsize=11)
-    fig.tight_layout()
-    save_figure(fig, path)
-    return path
 
 
 # -- Lyapunov token sensitivity (SPEC 6, Eq. 7, App. B) ----------------------------------------------
@@ -422,101 +355,12 @@ def lyapunov(model, tok, ids, steps, top, out):
              f"last position,\nwhose next token is predicted")
     rows = [("Lyapunov score (largest exponent) of each token for the last position", scores, "Blues"),
             ("attention of the last position, mean over heads and steps", mean_attention, "Purples")]
-    png = plot_shaded_text(tokens, rows, title, os.path.join(out, "lyapunov.png"))
-    page = write_html(tokens, rows, title, os.path.join(out, "lyapunov.html"))
+    png = plots.shaded_text(tokens, rows, title, os.path.join(out, "lyapunov.png"))
+    page = plots.shaded_html(tokens, rows, title, os.path.join(out, "lyapunov.html"))
     print(f"the {min(top, len(ids))} input tokens that most steer the prediction after {tokens[-1]!r}:")
     for i in np.argsort(-scores)[:top]:
         print(f"  position {i:4d}  {tokens[i]!r:>14}  score {scores[i]:8.4f}  attention {mean_attention[i]:.4f}")
     print(f"wrote {png}, {page} and {os.path.join(out, 'lyapunov.npz')}")
-
-
-def shade(values, cmap):
-    """Colours (RGBA) for values on a colour map, darker = larger, and whether text on them should be white. The
-    scale spans the tokens before the last: the last one (the output position, whose exponents also hold the MLP's
-    and its own attention's share) would otherwise leave every other token pale; it is drawn at the scale's ends."""
-    lo, hi = scale_of(values)
-    rgba = plt.get_cmap(cmap)(np.clip((values - lo) / (hi - lo), 0, 1) if hi > lo else np.zeros_like(values))
-    return rgba, (rgba[:, :3] @ np.array([0.299, 0.587, 0.114])) < 0.5
-
-
-def scale_of(values):
-    rest = values[:-1] if len(values) > 1 else values
-    return float(rest.min()), float(rest.max())
-
-
-def visible(token):
-    return token.replace("\n", "\u21b5").replace("\t", "\u2192")
-
-
-def layout(tokens, width):
-    """(line, column) of each token in a monospace grid `width` characters wide; a newline token ends its line."""
-    place, line, col = [], 0, 0
-    for tok in tokens:
-        n = len(visible(tok))
-        if col + n > width and col > 0:
-            line, col = line + 1, 0
-        place.append((line, col))
-        col += n
-        if "\n" in tok:
-            line, col = line + 1, 0
-    return place, line + 1
-
-
-def plot_shaded_text(tokens, rows, title, path, width=80):
-    """The prompt once per row of (label, values, colour map), each token on a background shaded by its value,
-    with a colour bar as legend; the last position (the one analysed) is outlined in red."""
-    place, lines = layout(tokens, width)
-    width = max(col + len(visible(tok)) for tok, (_, col) in zip(tokens, place))
-    char_w, line_h, pad = 0.0875, 0.24, 0.4  # inches: DejaVu Sans Mono at 10 pt advances 0.6 em
-    panel_h = lines * line_h + 0.85
-    fig_w, fig_h = max(width * char_w + 2 * pad, 7.5), len(rows) * panel_h + 0.5
-    fig = plt.figure(figsize=(fig_w, fig_h))
-    for r, (label, values, cmap) in enumerate(rows):
-        top = fig_h - 0.5 - r * panel_h - 0.25  # inches from the bottom to the top of this row's text
-        ax = fig.add_axes((pad / fig_w, (top - lines * line_h) / fig_h, width * char_w / fig_w, lines * line_h / fig_h))
-        rgba, white = shade(values, cmap)
-        for i, (tok, (line, col)) in enumerate(zip(tokens, place)):
-            n = len(visible(tok))
-            last = i == len(tokens) - 1
-            ax.add_patch(plt.Rectangle((col, line), n, 1, facecolor=rgba[i], edgecolor="red" if last else "none", lw=1.5))
-            ax.text(col + n / 2, line + 0.55, visible(tok), ha="center", va="center", family="monospace", fontsize=10,
-                    color="white" if white[i] else "black")
-        ax.set(xlim=(0, width), ylim=(lines, 0))
-        ax.axis("off")
-        ax.set_title(f"{label} (last token: {values[-1]:.3g})", fontsize=9, loc="left")
-        cax = fig.add_axes((pad / fig_w, (top - lines * line_h - 0.35) / fig_h, min(3.0, fig_w - 2 * pad) / fig_w,
-                            0.12 / fig_h))
-        bar = plt.cm.ScalarMappable(plt.Normalize(*scale_of(values)), cmap)
-        fig.colorbar(bar, cax=cax, orientation="horizontal")
-        cax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
-        cax.tick_params(labelsize=7)
-    fig.text(pad / fig_w, 1 - 0.25 / fig_h, title, va="center", fontsize=9)
-    save_figure(fig, path)
-    return path
-
-
-def write_html(tokens, rows, title, path):
-    """The same shaded text as a web page; hovering over a token shows its value."""
-    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}"
-             ".t{font-family:monospace;white-space:pre-wrap;line-height:1.8;font-size:15px}"
-             ".bar{display:inline-block;width:16em;height:0.9em;vertical-align:middle;margin:0 0.5em}</style>",
-             f"<h2>{html.escape(title)}</h2>"]
-    for label, values, cmap in rows:
-        rgba, white = shade(values, cmap)
-        lo, hi = scale_of(values)
-        stops = ", ".join(matplotlib.colors.to_hex(c) for c in plt.get_cmap(cmap)(np.linspace(0, 1, 8)))
-        parts.append(f"<h3>{html.escape(label)} (last token: {values[-1]:.4g})</h3><p>{lo:.4g}<span class='bar' "
-                     f"style='background:linear-gradient(to right, {stops})'></span>{hi:.4g} (darker = larger)</p>"
-                     f"<div class='t'>")
-        for i, tok in enumerate(tokens):
-            outline = ";outline:2px solid red" if i == len(tokens) - 1 else ""
-            parts.append(f"<span title='{values[i]:.4g}' style='background:{matplotlib.colors.to_hex(rgba[i])};"
-                         f"color:{'white' if white[i] else 'black'}{outline}'>{html.escape(tok)}</span>")
-        parts.append("</div>")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("".join(parts) + "\n")
-    return path
 
 
 # -- the script -----------------------------------------------------------------------------------------

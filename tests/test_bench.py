@@ -1,4 +1,4 @@
-"""bench.py: --help, config files, paired interleaving, FLOP counts, and a tiny run with every row."""
+"""experiments/bench.py: --help, config files, paired interleaving, FLOP counts, and a tiny run with every row."""
 import math
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import bench
+from experiments import bench
 from model import DiffEqFormer, ModelConfig, block_shapes
 
 from conftest import ROOT
@@ -19,7 +19,7 @@ TINY = ["--threads=1", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size
 
 
 def test_help_lists_the_keys_and_exits_cleanly():
-    done = subprocess.run([sys.executable, "bench.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "experiments.bench", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     for key in ("--pairs=5", "--threads=0", "--warmup=1", "--config=''", "--n_embd=", "--compile=True"):
         assert key in done.stdout
@@ -86,5 +86,5 @@ def test_a_tiny_run_has_every_row_with_positive_finite_figures(capsys):
 
 
 def test_bad_keys_are_one_line():
-    done = subprocess.run([sys.executable, "bench.py", "--rows=train,fly"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "experiments.bench", "--rows=train,fly"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip() == "error: rows='train,fly': fly is not one of train, inference, decode, memory"

@@ -1,4 +1,4 @@
-"""eval.py through lm-eval's own simple_evaluate on the local tasks of tests/eval_task/, checked against the
+"""experiments/eval.py through lm-eval's own simple_evaluate on the local tasks of tests/eval_task/, checked against the
 model's plain forward pass: every request's log-likelihood and is-greedy flag, the rolling log-likelihood of a
 text over its windows, greedy generations, and the tasks' metrics from those numbers."""
 import importlib.util
@@ -29,7 +29,7 @@ BLOCK = 24  # shorter than the few-shot prompts and the long rolling text: trunc
 
 def run_tasks(model, tokenizer, tasks=TASKS, **overrides):
     """lm-eval's results, every request's sample kept, for `model` read with `tokenizer`."""
-    import eval
+    from experiments import eval
     cfg = eval.EvalConfig(log_samples=True, bootstrap_iters=10, batch_size=3, **overrides)
     lm = eval.make_lm(model, prepare.get_tokenizer(tokenizer), batch_size=cfg.batch_size)
     return eval.evaluate(lm, tasks, eval.task_manager(tasks, TASK_DIR), cfg)
@@ -120,9 +120,9 @@ def test_every_request_and_metric_equals_the_plain_forward_pass(model_type, flav
 
 @needs_lm_eval
 def test_an_ode_at_steps_gives_what_its_materialised_model_gives(tmp_path):
-    """eval.py end to end: an ODE checkpoint at --steps 5 against the 5-layer model materialised from it
+    """experiments/eval.py end to end: an ODE checkpoint at --steps 5 against the 5-layer model materialised from it
     (--compare), which also writes the table and the chart."""
-    import eval
+    from experiments import eval
     ode = random_model(vocab_size=256, block_size=BLOCK)
     a, b = save_model(tmp_path / "ode.pt", ode), save_model(tmp_path / "m5.pt", ode.materialize(5))
     eval.main([f"--init_from={a}", f"--compare={b}", "--steps=5", f"--tasks={','.join(TASKS[:3])}",
@@ -140,7 +140,7 @@ def test_an_ode_at_steps_gives_what_its_materialised_model_gives(tmp_path):
 
 @needs_lm_eval
 def test_unknown_tasks_and_missing_checkpoints_are_one_clear_error(tmp_path):
-    import eval
+    from experiments import eval
     path = save_model(tmp_path / "ode.pt", random_model(vocab_size=256, block_size=BLOCK))
     with pytest.raises(UserError, match="checkpoint nowhere.pt does not exist"):
         eval.main(["--init_from=nowhere.pt", "--tasks=tiny_choice", f"--include_path={TASK_DIR}"])
@@ -152,17 +152,17 @@ def test_unknown_tasks_and_missing_checkpoints_are_one_clear_error(tmp_path):
 
 
 def test_without_lm_eval_eval_py_says_how_to_install_it():
-    code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = ['eval.py', '--tasks=piqa']; "
-            "runpy.run_path('eval.py', run_name='__main__')")
+    code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = ['experiments/eval.py', '--tasks=piqa']; "
+            "runpy.run_module('experiments.eval', run_name='__main__', alter_sys=True)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr == (
-        "error: eval.py needs lm-evaluation-harness: pip install -r requirements-eval.txt\n"), done.stderr
+        "error: experiments.eval needs lm-evaluation-harness: pip install -r requirements-eval.txt\n"), done.stderr
 
 
 @needs_lm_eval
 @pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
 def test_an_empty_context_is_the_end_of_text_token_or_the_first_byte(tokenizer):
-    import eval
+    from experiments import eval
     from lm_eval.api.instance import Instance
     tok = tokenizer_or_skip(tokenizer)
     model = random_model(vocab_size=tok.vocab_size, block_size=BLOCK)

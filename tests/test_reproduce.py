@@ -1,12 +1,12 @@
-"""reproduce.py: the job graph, the choice of each model's learning rate, and the page's tables."""
+"""experiments/reproduce.py: the job graph, the choice of each model's learning rate, and the page's tables."""
 import json
 import os
 
 import pytest
 
-import reproduce
 from configurator import UserError
-from reproduce import Job, ReproduceConfig
+from experiments import reproduce
+from experiments.reproduce import Job, ReproduceConfig
 
 
 def write_log(run_dir, val_losses):
@@ -83,7 +83,7 @@ def test_the_page_has_a_marker_for_every_table():
 
 
 def test_the_committed_page_holds_the_tables_of_its_results_json():
-    """results/README.md is what reproduce.py writes from results/results.json, and the table's mean and
+    """results/README.md is what experiments/reproduce.py writes from results/results.json, and the table's mean and
     perplexity are those of the seeds' losses."""
     import math
     r = json.load(open(os.path.join(reproduce.RESULTS, "results.json")))

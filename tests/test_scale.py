@@ -318,7 +318,7 @@ def test_the_plan_names_every_term_and_fits_llama1b_on_8_gpus(capsys):
 # -- bytes moved by collectives ----------------------------------------------------------------------------
 
 def comm_worker(rank, world, store, out, parallel):
-    import bench_scale
+    from experiments import bench_scale
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:

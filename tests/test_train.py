@@ -296,7 +296,7 @@ def test_any_depth_options_are_refused_for_a_model_with_fixed_layers():
 
 
 def test_depth_table_on_a_checkpoint(tmp_path, shakespeare):
-    import depth
+    from experiments import depth
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2")
     depth.main([f"--init_from={tmp_path / 'out' / 'ckpt.pt'}", "--steps=1,2,4", "--solvers=euler,rk4",
                 "--eval_iters=4", "--batch_size=4", f"--out={tmp_path / 'depth'}"])  # the run's evaluation batches

@@ -2,11 +2,11 @@
 The ODE at scale, measured (weights generated once per optimizer step, sharded generation, the memory
 plan): the training step against GPT's, bytes moved by collectives, and the plan against peak memory.
 
-    python bench_scale.py --what=step --threads=1                # ODE/GPT training step, paired medians
-    python bench_scale.py --what=step --threads=1 --vocab_size=256 --accum=8
-    python bench_scale.py --what=comm                            # bytes per iteration, 2 gloo processes
-    python bench_scale.py --what=memory                          # the plan against measured peaks, 2 gloo processes
-    python bench_scale.py --what=comm_plan config/llama1b.py --world=8       # the byte arithmetic for a config
+    python -m experiments.bench_scale --what=step --threads=1                         # ODE/GPT training step, paired medians
+    python -m experiments.bench_scale --what=step --threads=1 --vocab_size=256 --accum=8
+    python -m experiments.bench_scale --what=comm                                     # bytes per iteration, 2 gloo processes
+    python -m experiments.bench_scale --what=memory                                   # the plan against measured peaks, 2 gloo processes
+    python -m experiments.bench_scale --what=comm_plan config/llama1b.py --world=8    # the byte arithmetic for a config
 
 step: train.train_step (forward, backward, clipping, fused AdamW) of a GPT and the DiffEqFormer of the same
 shape, interleaved (A, B, B, A, ...) in one process; the ratio is the median of the per-pair ratios,
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 @dataclass
@@ -353,7 +353,8 @@ def memory(cfg, argv):
 # -- the script ---------------------------------------------------------------------------------------
 
 def torchrun(world, args, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "--module",
+           "experiments.bench_scale", *args]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")

@@ -1,11 +1,11 @@
 """
 Reproduce the paper's experiments at laptop scale: every number and figure of results/README.md.
 
-    python reproduce.py                     # about 80 minutes on 2 CPU cores; run again to resume
-    python reproduce.py --quick             # every job for a few iterations: checks the pipeline (~10 min)
+    python -m experiments.reproduce            # about 80 minutes on 2 CPU cores; run again to resume
+    python -m experiments.reproduce --quick    # every job for a few iterations: checks the pipeline (~10 min)
 
-Each experiment is a run of this repository's own tools (train.py, finetune.py, depth.py, analyze.py)
-in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
+Each experiment is a run of this repository's own tools (train.py, finetune.py, experiments/depth.py,
+analyze.py) in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
 A finished job leaves a `done` file with its command in its folder under --runs and is skipped when
 the script is run again with the same command for it. Jobs that depend on a learning-rate sweep (a second seed, the ablations, the pretraining for
 fine-tuning) are built when the sweep has finished. At the end the results are summarised into
@@ -37,7 +37,7 @@ from tqdm import tqdm
 import prepare
 from configurator import UserError, parse_config, run_main
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the jobs run there
 RESULTS = os.path.join(ROOT, "results")
 
 ITERS = 500  # iterations of every pretraining run (the CPU default shape: width 128, 6 layers/steps)
@@ -148,7 +148,7 @@ def plan(cfg):
     # 4. adaptive compute: the any-depth option set (config/anydepth.py), trained like the others
     jobs.append(Job("anydepth", lambda r: train("anydepth", ["config/anydepth.py"], best("diffeq")(r)),
                     after=sweep_of("diffeq"), cost=4.0))
-    depth = ["depth.py", "--steps=4,6" if q else f"--steps={DEPTH_STEPS}", "--eval_iters=1" if q else "--eval_iters=10"]
+    depth = ["-m", "experiments.depth", "--steps=4,6" if q else f"--steps={DEPTH_STEPS}", "--eval_iters=1" if q else "--eval_iters=10"]
     jobs.append(Job("depth-authors", lambda r: depth + [f"--init_from={best_run('diffeq')(r)}/ckpt.pt",
                                                          f"--out={runs}/depth-authors"], after=sweep_of("diffeq")))
     jobs.append(Job("depth-anydepth", depth + [f"--init_from={runs}/anydepth/ckpt.pt", f"--out={runs}/depth-anydepth"],

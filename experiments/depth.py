@@ -1,8 +1,8 @@
 """
 An ODE checkpoint's validation loss against its step count and solver, without fine-tuning.
 
-    python depth.py                                              # out/ckpt.pt at 3, 6, 12, 24 steps
-    python depth.py --init_from=out-anydepth/ckpt.pt --steps=2,3,4,6,8,12,16,24 --solvers=euler,rk4
+    python -m experiments.depth                                  # out/ckpt.pt at 3, 6, 12, 24 steps
+    python -m experiments.depth --init_from=out-anydepth/ckpt.pt --steps=2,3,4,6,8,12,16,24 --solvers=euler,rk4
 
 A DiffEqFormer's depth is a solver step count, so a trained model can run at any N and with any
 fixed-step solver (SPEC 2). Whether it is any good there is an empirical question: this prints the
@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoints
+import plots
 import prepare
 import runtime
 import train
@@ -64,27 +65,6 @@ def load_ode(path, device):
     return model.to(device), ckpt
 
 
-def plot(results, trained, png_path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for solver in dict.fromkeys(r["solver"] for r in results):
-        rows = [r for r in results if r["solver"] == solver]
-        axes[0].plot([r["steps"] for r in rows], [r["val_loss"] for r in rows], "o-", label=solver)
-        axes[1].plot([r["evaluations"] for r in rows], [r["val_loss"] for r in rows], "o-", label=solver)
-    for ax, label in zip(axes, ("solver steps N", "vector-field evaluations (compute)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].axvline(trained, color="grey", ls=":", label=f"trained with {trained}")
-    axes[0].set_ylabel("validation loss (nats/token)")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-
-
 def main(argv):
     cfg, _ = parse_config(argv, DepthConfig)
     env = runtime.setup(cfg.device, "float32", cfg.seed)
@@ -108,7 +88,7 @@ def main(argv):
     with open(os.path.join(cfg.out, "depth.json"), "w") as f:
         json.dump(dict(checkpoint=os.path.abspath(cfg.init_from), config=asdict(cfg), trained_steps=trained,
                        results=results), f, indent=1)
-    plot(results, trained, os.path.join(cfg.out, "depth.png"))
+    plots.depth(results, trained, os.path.join(cfg.out, "depth.png"))
     print(f"wrote {os.path.join(cfg.out, 'depth.json')} and {os.path.join(cfg.out, 'depth.png')}")
 
 

@@ -1,12 +1,12 @@
 """
 Downstream evaluation with EleutherAI's lm-evaluation-harness (the paper's Tables 4-5), for any checkpoint.
 
-    python eval.py --tasks lambada_openai,piqa --num_fewshot 5 --init_from=out/ckpt.pt
-    python eval.py --tasks arc_easy,arc_challenge,hellaswag,sciq,winogrande,logiqa --init_from=out/ckpt.pt --steps 12
-    python eval.py --tasks shakespeare --include_path=tasks --compare=out-gpt/ckpt.pt    # a local task, two models
-    python eval.py --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
+    python -m experiments.eval --tasks lambada_openai,piqa --num_fewshot 5 --init_from=out/ckpt.pt
+    python -m experiments.eval --tasks arc_easy,arc_challenge,hellaswag,sciq,winogrande,logiqa --init_from=out/ckpt.pt --steps 12
+    python -m experiments.eval --tasks shakespeare --include_path=experiments/tasks --compare=out-gpt/ckpt.pt  # a local task, two models
+    python -m experiments.eval --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
 
-lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when eval.py runs. The
+lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when this module runs. The
 checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with sample.load_model (every kind:
 DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
 text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
@@ -25,22 +25,20 @@ A text with no context starts after the end-of-text token where the tokenizer ha
 is not scored. Writes into --out: results.json (lm-eval's results, with the models and this config),
 results.md (a table: value +- standard error, one column per checkpoint) and, with --compare, results.png.
 The paper's tasks download from Hugging Face (a network is needed once); local tasks are YAML files in
---include_path (see tasks/).
+--include_path (see experiments/tasks/).
 """
 import json
 import os
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import plots
 import prepare
 import runtime
 import sample
-from analyze import save_figure
 from configurator import UserError, parse_config, run_main
 from model import time_dtype
 
@@ -79,7 +77,7 @@ def harness():
         import lm_eval.api.model
         import lm_eval.tasks
     except ImportError as e:
-        raise UserError("eval.py needs lm-evaluation-harness: pip install -r requirements-eval.txt") from e
+        raise UserError("experiments.eval needs lm-evaluation-harness: pip install -r requirements-eval.txt") from e
     return lm_eval
 
 
@@ -258,26 +256,6 @@ def markdown(runs):
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(runs, path):
-    """Each metric in a panel of its own, a group of bars per task, one bar per checkpoint with its stderr."""
-    table = [metric_rows(r) for r in runs]
-    metrics = list(dict.fromkeys(metric for _, metric, *_ in table[0]))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1, 3.4), squeeze=False)
-    width = 0.8 / len(runs)
-    for ax, metric in zip(axes[0], metrics):
-        for j, (run, rows) in enumerate(zip(runs, table)):
-            rows = [row for row in rows if row[1] == metric]
-            x = np.arange(len(rows)) + (j - (len(runs) - 1) / 2) * width
-            ax.bar(x, [v for *_, v, _ in rows], width, yerr=[s or 0 for *_, s in rows], capsize=3,
-                   label=run["config"]["label"], color=f"C{j}")
-        ax.set_xticks(np.arange(len(rows)), [task for task, *_ in rows], rotation=20, ha="right")
-        ax.set_title(metric)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
 # -- the script -----------------------------------------------------------------------------------------
 
 def main(argv):
@@ -299,7 +277,8 @@ def main(argv):
         f.write(table)
     print(table)
     if len(runs) == 2:
-        bar_chart(runs, os.path.join(cfg.out, "results.png"))
+        plots.eval_bars([r["config"]["label"] for r in runs], [metric_rows(r) for r in runs],
+                        os.path.join(cfg.out, "results.png"))
     print(f"wrote {cfg.out}/results.json, {cfg.out}/results.md" + f", {cfg.out}/results.png" * (len(runs) == 2))
 
 

@@ -4,10 +4,10 @@ fake the comparison: the models run in one process, interleaved (A, B, C, then C
 comparison is the median and interquartile range of the ratios of paired repetitions. A dense matmul
 runs in every round as well, so that achieved FLOP/s is paired with the peak it is measured against.
 
-    python bench.py --threads 1                               # the README's CPU table (width 256)
-    python bench.py --threads 1 --n_embd 512 --n_head 8       # ... and width 512
-    python bench.py --config config/owt_gpt_small.py          # a paper shape (for a GPU)
-    python bench.py --rows train,decode --no-compile --pairs 3 --n_embd 128
+    python -m experiments.bench --threads 1                           # the README's CPU table (width 256)
+    python -m experiments.bench --threads 1 --n_embd 512 --n_head 8   # ... and width 512
+    python -m experiments.bench --config config/owt_gpt_small.py      # a paper shape (for a GPU)
+    python -m experiments.bench --rows train,decode --no-compile --pairs 3 --n_embd 128
 
 Rows: a training step (forward, backward, AdamW) of each model, eager and compiled (compile time
 apart); the share of the ODE's step spent generating its weights (the hypernetwork's forward and
@@ -35,6 +35,8 @@ import runtime
 import train
 from configurator import ConfigError, fields_of, parse_config, read_config_file, run_main, split_args
 from model import SOLVERS, DiffEqFormer, ModelConfig, stage_times, time_dtype
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where the probes run
 
 MODELS = {"GPT": "baseline", "ODE": "diffeq", "shared": "shared", "materialised": "materialized"}
 ROWS = ("train", "inference", "decode", "memory")
@@ -398,7 +400,7 @@ def measure_memory(argv, table):
         if row not in table.measured_rows:
             continue
         for name in names:
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), *eager, f"--probe={row}:{name}"],
+            done = subprocess.run([sys.executable, "-m", "experiments.bench", *eager, f"--probe={row}:{name}"], cwd=ROOT,
                                   capture_output=True, text=True, env=dict(os.environ))  # not what libraries setenv()
             line = [s for s in done.stdout.splitlines() if s.startswith("PEAK ")]
             if done.returncode or not line:
