@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-import checkpoints
+import common
 import plots
 import prepare
 from configurator import UserError, parse_config, run_main
-from model import DiffEqFormer, ModelConfig, apply_rope, norm, rope_tables, sequential_block, vector_field
+from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the"
 SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}  # f(t) = t^p; p = 0 is 1
@@ -87,21 +87,9 @@ class ClusterConfig:
 # -- the checkpoint and the weights the forward pass multiplies by -------------------------------------
 
 def load_model(path):
-    """The checkpoint's model in float64 on the CPU, in eval mode, and its tokenizer's name."""
-    ckpt = checkpoints.load(path, kind=checkpoints.MODEL)
-    try:
-        mcfg = ModelConfig(**ckpt["model_config"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{path} has no usable model config ({type(e).__name__}: {e})") from e
-    with torch.device("meta"):
-        model = DiffEqFormer(mcfg)
-    model = model.to_empty(device="cpu").double()
-    missing, unexpected = model.load_state_dict(checkpoints.clean_state_dict(ckpt.get("model") or {}), strict=False)
-    if missing or unexpected:
-        raise UserError(f"{path} does not hold the weights of its {mcfg.model_type} model: there are no attention heads "
-                        f"or layers to analyse (missing {', '.join(missing[:3]) or 'nothing'}; unexpected "
-                        f"{', '.join(unexpected[:3]) or 'nothing'})")
-    return model.eval().requires_grad_(False), ckpt.get("tokenizer", "byte")
+    """Any checkpoint's model (common.load_model) in float64, and its tokenizer's name."""
+    model, tokenizer = common.load_model(path)
+    return model.double().requires_grad_(False), tokenizer
 
 
 def resolve_steps(model, steps, path):
@@ -120,7 +108,7 @@ def forward_weights(model, steps):
     """The block weights of each step or layer, [{name: (weight, bias)}], exactly those the forward pass
     multiplies by: an ODE's `step_weights` at t_k = (k+1)/N (SPEC 2), or the layers' parameters."""
     if model.cfg.is_ode:
-        return model.step_weights(steps, "euler", model.wte.weight.device)
+        return model.step_weights(steps, "euler")
     return [layer.weights() for layer in model.layers]
 
 

@@ -217,12 +217,20 @@ def clean_state_dict(state_dict):
     return out
 
 
-def model_from(ckpt, **overrides):
+def model_from(ckpt, path="the checkpoint", **overrides):
     """The model a checkpoint dict holds (its config with `overrides`, and its weights), on the CPU
-    in eval mode."""
+    in eval mode; a config or weights that do not make a model are one UserError."""
+    try:
+        cfg = ModelConfig(**{**ckpt["model_config"], **overrides})
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path} has no usable model config ({type(e).__name__}: {e})") from e
     with torch.device("meta"):
-        model = DiffEqFormer(ModelConfig(**{**ckpt["model_config"], **overrides}))
-    model.load_state_dict(clean_state_dict(ckpt["model"]), assign=True)
+        model = DiffEqFormer(cfg)
+    weights = clean_state_dict(ckpt.get("model") or {})
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    if missing or unexpected:
+        raise UserError(f"{path} does not hold the weights of its {cfg.model_type} model (missing "
+                        f"{', '.join(missing[:3]) or 'nothing'}; unexpected {', '.join(unexpected[:3]) or 'nothing'})")
     return model.eval()
 
 
@@ -235,7 +243,7 @@ def load_model(path):
         import lora  # adapters only: lora.py reads the base checkpoint they name
         model, base = lora.load_adapted(path)
         return lora.merge_lora(model).eval(), base.get("tokenizer", "byte")
-    return model_from(ckpt), ckpt.get("tokenizer", "byte")
+    return model_from(ckpt, path), ckpt.get("tokenizer", "byte")
 
 
 def file_hash(path):

@@ -118,7 +118,7 @@ def load_adapted(path, base_path=None):
     base_path = base_path or adapters["base_checkpoint"]
     check_base(base_path, adapters["base_sha256"])
     base_ckpt = common.load(base_path)
-    model = at_depth(common.model_from(base_ckpt).train(), adapters["steps"], base_path)
+    model = at_depth(common.model_from(base_ckpt, base_path).train(), adapters["steps"], base_path)
     add_lora(model, adapters["rank"], adapters["alpha"], targets=adapters["targets"])
     result = model.load_state_dict(adapters["adapters"], strict=False)
     missing = [k for k in result.missing_keys if ".lora_" in k]

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import runtime
+import common
+import sample
 import train
 from configurator import ConfigError, fields_of, parse_config, read_config_file, run_main, split_args
 from model import SOLVERS, DiffEqFormer, ModelConfig, stage_times, time_dtype
@@ -136,7 +137,7 @@ def forward_flops(mcfg, T, keys, logit_rows, evals=None, hyper_params=0):
     parameter per evaluation) when hyper_params is given."""
     evals = evals or mcfg.n_layer
     C = mcfg.n_embd
-    return (2 * T * evals * train.block_params(mcfg) + 4 * evals * C * keys + 2 * logit_rows * C * mcfg.vocab_size
+    return (2 * T * evals * common.block_params(mcfg) + 4 * evals * C * keys + 2 * logit_rows * C * mcfg.vocab_size
             + 2 * evals * hyper_params)
 
 
@@ -219,7 +220,7 @@ def inference(call, x, env):
 def decode_cached(model, prompt, n, env, decode=None):
     def run():
         with env.autocast():
-            model.generate(prompt, n, temperature=0, decode=decode)
+            sample.generate(model, prompt, n, temperature=0, decode=decode or sample.decode_one_token)
     return run
 
 
@@ -457,7 +458,7 @@ def main(argv):
         print(usage())
         return
     mcfg, cfg, ignored = parse_args(argv)
-    env = runtime.setup(cfg.device, cfg.dtype)
+    env = common.setup(cfg.device, cfg.dtype)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch._dynamo.config.cache_size_limit = 64  # one compiled graph per model and mode

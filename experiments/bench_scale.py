@@ -17,7 +17,7 @@ its input, broadcast its size: what each process sends in a ring, up to (w - 1) 
 generating its weights in every forward pass (--no-generate_once) and once per step. memory: train.py
 runs under torchrun on 2 gloo processes; each records the rise of its peak RSS (getrusage ru_maxrss)
 above its RSS before training, with glibc returning every block of 64 KiB or more to the system when
-freed (MALLOC_MMAP_THRESHOLD_=65536), against train.memory_plan for the same run in fp32.
+freed (MALLOC_MMAP_THRESHOLD_=65536), against scale/memory.py's memory_plan for the same run in fp32.
 """
 import itertools
 import json
@@ -109,20 +109,22 @@ def counting_mode():
 
 def setup_run(mcfg, tcfg, env):
     """(step function, model, raw, optimizer, gen) as train.main builds them."""
+    import common
     import train
-    import weightgen
     from model import DiffEqFormer
+    from scale import parallel
+    from scale.weightgen import WeightGenerator
     torch.manual_seed(0)
-    with torch.device("meta" if train.sharded(tcfg, env) else env.device):
+    sharded = parallel.sharded(tcfg, env)
+    with torch.device("meta" if sharded else env.device):
         model = DiffEqFormer(mcfg)
-    model, raw = train.build(model, tcfg, env)
+    model = parallel.build(model, tcfg, env)
+    raw = parallel.unwrap(model)
     optimizer = train.configure_optimizer(raw, tcfg, env.device)
-    gen = weightgen.WeightGenerator(raw, env.dtype) if train.generates_once(raw, tcfg) else None
+    gen = WeightGenerator(raw, env.dtype) if sharded and parallel.generates_once(raw, tcfg) else None
     tokens = np.random.default_rng(0).integers(0, mcfg.vocab_size, 1 << 20).astype(np.uint16)
-    import runtime
-    batches = runtime.Batches(tokens, mcfg.block_size, tcfg.batch_size, env.device, 0, 0)
-    accum = tcfg.gradient_accumulation_steps // env.world_size
-    return (lambda it: train.train_step(model, raw, optimizer, gen, batches, it, accum, tcfg, env)), model, raw, optimizer, gen
+    batches = common.Batches(tokens, mcfg.block_size, tcfg.batch_size, env.device, 0, 0)
+    return (lambda it: train.train_step(model, optimizer, batches, it, tcfg, env, gen)), model, raw, optimizer, gen
 
 
 def last_wins(argv):
@@ -147,9 +149,9 @@ STEP_SHAPE = ["--n_layer=6", "--n_embd=512", "--n_head=8", "--block_size=512", "
 
 
 def step(cfg, argv):
-    import runtime
+    import common
     torch.set_num_threads(cfg.threads)
-    env = runtime.setup("cpu", "float32")
+    env = common.setup("cpu", "float32")
     args = STEP_SHAPE + [f"--gradient_accumulation_steps={cfg.accum}"] + argv
     runs = {}
     for name, over in (("GPT", dict(model_type="baseline")), ("ODE", dict(model_type="diffeq"))):
@@ -201,9 +203,9 @@ COMM_MODELS = (("baseline", dict(model_type="baseline"), {}), ("ODE, weights per
 
 def comm_probe(cfg, argv):
     """Under torchrun: bytes moved by one iteration of each model (after a warm-up iteration)."""
-    import runtime
+    import common
     torch.set_num_threads(1)
-    env = runtime.setup("cpu", "float32")
+    env = common.setup("cpu", "float32")
     out = {}
     for name, model_over, train_over in COMM_MODELS:
         mcfg, tcfg = configs(argv, model=model_over, train=train_over)
@@ -215,7 +217,7 @@ def comm_probe(cfg, argv):
         out[name] = mode.bytes
     if env.master:
         print("RESULT " + json.dumps(out))
-    runtime.teardown()
+    common.teardown()
 
 
 def planned_bytes(mcfg, tcfg, world, dtype):
@@ -225,7 +227,7 @@ def planned_bytes(mcfg, tcfg, world, dtype):
     once per step are all-gathered once (compute dtype) and dL/dW reduce-scattered once (fp32); DDP
     all-reduces every gradient it holds once."""
     import train
-    import weightgen
+    from scale import memory, parallel
     from model import SOLVERS, DiffEqFormer, ModelConfig
     m = tcfg.gradient_accumulation_steps // world  # micro-steps per process
     b = dtype.itemsize  # compute; FSDP2 gathers the units in it under its policy, the root in fp32
@@ -235,10 +237,10 @@ def planned_bytes(mcfg, tcfg, world, dtype):
             model = DiffEqFormer(ModelConfig(**{**mcfg.to_dict(), **model_over}))
         cfg = train.TrainConfig(**{**tcfg.__dict__, **train_over})
         P = model.num_params()
-        units = sum(sum(p.numel() for p in u.parameters()) for u in train.fsdp_units(model))
+        units = sum(sum(p.numel() for p in u.parameters()) for u in parallel.fsdp_units(model))
         root = P - units
-        once = train.generates_once(model, cfg)
-        generated = weightgen.generated_numel(model) * mcfg.n_layer * len(SOLVERS[mcfg.solver]) if once else 0
+        once = parallel.generates_once(model, cfg)
+        generated = memory.generated_numel(model) * mcfg.n_layer * len(SOLVERS[mcfg.solver]) if once else 0
         mlps = sum(p.numel() for n, p in model.named_parameters() if "time_mlp" in n) if once else 0
         if cfg.parallel == "ddp":
             out[name] = 2 * 4 * ((P - units if once else P) + generated)
@@ -314,15 +316,17 @@ def memory_probe(cfg, argv):
     """Under torchrun: train.main on argv; prints the rise of this process's peak RSS and the plan."""
     import train
     base = rss()
-    train.save = lambda *a, **k: None  # checkpoint writing and plotting are not part of the training peak
-    train.plot_losses = lambda *a, **k: None
+    import plots
+    from scale import checkpoint
+    checkpoint.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak
+    plots.loss_curve = lambda *a, **k: None
     train.main(last_wins(argv))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     mcfg, tcfg = configs(argv)
     with torch.device("meta"):
         from model import DiffEqFormer
         model = DiffEqFormer(mcfg)
-    phase, plan = train.memory_plan(model, mcfg, tcfg, int(os.environ["WORLD_SIZE"]), torch.float32, "cpu")
+    phase, plan = memory.memory_plan(model, mcfg, tcfg, int(os.environ["WORLD_SIZE"]), torch.float32, "cpu")
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(dict(rank=int(os.environ["RANK"]), peak=peak, plan=sum(plan.values()), phase=phase, terms=plan), f)
 

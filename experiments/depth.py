@@ -16,13 +16,12 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-import checkpoints
+import common
 import plots
 import prepare
-import runtime
 import train
 from configurator import UserError, parse_config, run_main
-from model import MAX_STEPS, SOLVERS, DiffEqFormer, ModelConfig
+from model import MAX_STEPS, SOLVERS
 
 
 @dataclass
@@ -56,9 +55,8 @@ class DepthConfig:
 
 def load_ode(path, device):
     """The checkpoint's model (an ODE, else one error line) and its checkpoint dict."""
-    ckpt = checkpoints.load(path)
-    model = DiffEqFormer(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(checkpoints.clean_state_dict(ckpt["model"]))
+    ckpt = common.load(path)
+    model = common.model_from(ckpt, path)
     if not model.cfg.is_ode:
         raise UserError(f"{path} holds a {model.cfg.model_type} model with {model.cfg.n_layer} fixed layers: only an "
                         f"ODE checkpoint (diffeq or shared) runs at other step counts")
@@ -67,12 +65,12 @@ def load_ode(path, device):
 
 def main(argv):
     cfg, _ = parse_config(argv, DepthConfig)
-    env = runtime.setup(cfg.device, "float32", cfg.seed)
+    env = common.setup(cfg.device, "float32", cfg.seed)
     model, ckpt = load_ode(cfg.init_from, env.device)
     known = {k: v for k, v in ckpt.get("train_config", {}).items() if k in train.TrainConfig.__dataclass_fields__}
     tcfg = train.TrainConfig(**{**known, "eval_iters": cfg.eval_iters, "batch_size": cfg.batch_size, "seed": cfg.seed})
     data = train.prepare_data(tcfg, env)  # the validation text the checkpoint was trained against
-    val = runtime.Batches(prepare.load_tokens(data, "val"), model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
+    val = common.Batches(prepare.load_tokens(data, "val"), model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
     results = []
     points = [(solver, n) for solver in cfg.solver_names() for n in cfg.step_counts()]
     for solver, n in tqdm(points, desc="depth", dynamic_ncols=True):

@@ -7,7 +7,7 @@ Downstream evaluation with EleutherAI's lm-evaluation-harness (the paper's Table
     python -m experiments.eval --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
 
 lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when this module runs. The
-checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with sample.load_model (every kind:
+checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with common.load_model (every kind:
 DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
 text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
 
@@ -17,7 +17,7 @@ text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change
   padded on the right (causal attention: padding never reaches the positions that are read).
 * loglikelihood_rolling (perplexity tasks): lm-eval's windows of block_size tokens, each token predicted
   once, the last window with a full context.
-* generate_until: greedy decoding with model.generate (what sample.py runs), the context cut on the left
+* generate_until: greedy decoding with sample.generate (what sample.py runs), the context cut on the left
   to block_size tokens; max_gen_toks tokens are generated, then cut at the first `until` string.
 
 A text with no context starts after the end-of-text token where the tokenizer has one (tiktoken's
@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 import plots
 import prepare
-import runtime
+import common
 import sample
 from configurator import UserError, parse_config, run_main
 from model import time_dtype
@@ -90,7 +90,7 @@ class CheckpointLM:
     def __init__(self, model, tok, steps=None, solver=None, env=None, batch_size=16, max_gen_toks=256, info=None):
         super().__init__()
         self.model, self.tok, self.steps, self.solver = model, tok, steps, solver
-        self.env = env or runtime.Env(torch.device("cpu"), torch.float32)
+        self.env = env or common.Env(torch.device("cpu"), torch.float32)
         self.batch_size, self.max_gen_toks, self.info = batch_size, max_gen_toks, info or {}
         self.max_length = model.cfg.block_size
 
@@ -168,8 +168,8 @@ class CheckpointLM:
                 raise ValueError("generate_until with an empty context needs a tokenizer with an end-of-text token")
             x = torch.tensor([ids], dtype=torch.long, device=self.env.device)
             with self.env.autocast():
-                y = self.model.generate(x, kwargs.get("max_gen_toks", self.max_gen_toks), temperature=0,
-                                        steps=self.steps, solver=self.solver)
+                y = sample.generate(self.model, x, kwargs.get("max_gen_toks", self.max_gen_toks), temperature=0,
+                                    steps=self.steps, solver=self.solver)
             text = self.tok.decode([i for i in y[0, len(ids):].tolist() if i < self.tok.vocab_size])
             for stop in until:
                 text = text.split(stop)[0]
@@ -185,7 +185,7 @@ def make_lm(model, tok, **kwargs):
 
 def load_lm(path, cfg, env):
     """The checkpoint at `path` as an lm-eval model, at cfg's steps and solver."""
-    model, tokenizer = sample.load_model(path)
+    model, tokenizer = common.load_model(path)
     model.to(env.device)
     steps, solver = sample.solver_args(model, cfg, path)
     mcfg = model.cfg
@@ -264,7 +264,7 @@ def main(argv):
     tasks = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
     if not tasks:
         raise UserError("no tasks: name some with --tasks, e.g. --tasks lambada_openai,piqa")
-    env = runtime.setup(cfg.device, cfg.dtype, cfg.seed)
+    env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     paths = [cfg.init_from] + ([cfg.compare] if cfg.compare else [])
     lms = [load_lm(path, cfg, env) for path in paths]  # every checkpoint is checked before the long part
     manager = task_manager(tasks, cfg.include_path)

@@ -241,9 +241,9 @@ def results_of(runs):
 
 
 def num_params(run_dir):
-    import checkpoints
+    import common
     from model import DiffEqFormer, ModelConfig
-    return DiffEqFormer(ModelConfig(**checkpoints.load(os.path.join(run_dir, "ckpt.pt"))["model_config"])).num_params()
+    return DiffEqFormer(ModelConfig(**common.load(os.path.join(run_dir, "ckpt.pt"))["model_config"])).num_params()
 
 
 def mean_spread(values):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import analyze
-import checkpoints
+import common
 from configurator import UserError, run_main
 from model import DiffEqFormer, ModelConfig, attention, norm, rope_tables, stage_times
 
@@ -253,12 +253,12 @@ def test_shared_weights_cluster_on_the_sphere_and_a_t4_schedule_does_not():
 # -- the command line ----------------------------------------------------------------------------------
 
 def write(path, obj):
-    checkpoints.save(obj, path)
+    common.save(obj, path)
     return str(path)
 
 
 def save_checkpoint(path, model):
-    return write(path, {"kind": checkpoints.MODEL, "model_config": model.cfg.to_dict(),
+    return write(path, {"kind": common.MODEL, "model_config": model.cfg.to_dict(),
                         "model": model.float().state_dict(), "tokenizer": "byte"})
 
 
@@ -296,8 +296,8 @@ def test_spectral_of_a_layer_model_goes_layer_by_layer(tmp_path):
 @pytest.mark.parametrize("case,match", [
     ("no mode", "choose what to analyse"),
     ("missing", "does not exist"),
-    ("adapters", "not a diffeqformer-model checkpoint"),
-    ("no attention", "no attention heads"),
+    ("run state", "not a diffeqformer-model or diffeqformer-lora-adapters checkpoint"),
+    ("no attention", "does not hold the weights of its baseline model"),
     ("empty prompt", "prompt is empty"),
     ("long prompt", "longer than the model's context of 48"),
     ("gpt --steps", "--steps applies only to an ODE checkpoint"),
@@ -310,9 +310,9 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path):
     argv = {
         "no mode": [f"--init_from={tiny_checkpoint}"],
         "missing": ["--lyapunov", f"--init_from={tmp_path / 'nothing.pt'}"],
-        "adapters": ["--spectral", "--init_from=" + write(tmp_path / "a.pt", {"kind": checkpoints.ADAPTERS})],
+        "run state": ["--spectral", "--init_from=" + write(tmp_path / "a.pt", {"kind": common.LORA_RUN})],
         "no attention": ["--spectral", "--init_from=" + write(tmp_path / "x.pt", {
-            "kind": checkpoints.MODEL, "model_config": gpt.cfg.to_dict(),
+            "kind": common.MODEL, "model_config": gpt.cfg.to_dict(),
             "model": {k: v for k, v in gpt.state_dict().items() if ".attn." not in k}})],
         "empty prompt": ["--all", f"--init_from={tiny_checkpoint}", "--prompt="],
         "long prompt": ["--lyapunov", f"--init_from={tiny_checkpoint}", "--prompt=" + "x" * 49],
