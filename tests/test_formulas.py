@@ -7,19 +7,15 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import analyze
-import runtime
+import common
 import train
+from lora import LoRA
 from model import DiffEqFormer, ModelConfig, TimeDependentLinear
 
 
-def lora_class():
-    """LoRA's home (it is to move to lora.py, same class name and behaviour): change the import here."""
-    from finetune import LoRA
-    return LoRA
 
 
 # -- 1. MFU: training FLOPs = 3 x forward -------------------------------------------------------------
@@ -50,8 +46,8 @@ def test_flops_per_token_is_three_forwards_of_an_independent_count():
     small = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 1)
     attention = mcfg.n_layer * 2 * T * mcfg.n_embd
     expected = 3 * (weights_per_token + 2 * small + attention)
-    assert train.flops_per_token(mcfg, 0, B * T) == pytest.approx(expected, rel=1e-12)
-    assert train.flops_per_token(mcfg, 0, B * T) == pytest.approx(training / (B * T), rel=0.02)  # same, roughly
+    assert common.flops_per_token(mcfg, 0, B * T) == pytest.approx(expected, rel=1e-12)
+    assert common.flops_per_token(mcfg, 0, B * T) == pytest.approx(training / (B * T), rel=0.02)  # same, roughly
 
 
 # -- 2. the GPT-like init (init="gpt") --------------------------------------------------------------------
@@ -111,10 +107,10 @@ def test_learning_rate_is_linear_warmup_then_cosine():
 # -- 4. gradient clipping in the training step -------------------------------------------------------------
 
 def one_training_step(model, optimizer, batches, cfg):
-    """One optimizer step of train.train_step, iteration 0, one micro-step, on CPU in float32 (no autocast);
-    the one place to adapt when train_step's signature changes."""
-    env = runtime.Env(torch.device("cpu"), torch.float32)
-    return train.train_step(model, model, optimizer, None, batches, 0, 1, cfg, env)
+    """One optimizer step of train.train_step, iteration 0, one micro-step, on CPU in float32 (no
+    autocast)."""
+    env = common.Env(torch.device("cpu"), torch.float32)
+    return train.train_step(model, optimizer, batches, 0, cfg, env)
 
 
 def test_train_step_clips_the_gradient_of_all_parameters():
@@ -124,7 +120,7 @@ def test_train_step_clips_the_gradient_of_all_parameters():
     torch.manual_seed(0)
     model = DiffEqFormer(mcfg).double()
     tokens = np.random.default_rng(0).integers(0, mcfg.vocab_size, 2000).astype(np.uint16)
-    batches = runtime.Batches(tokens, mcfg.block_size, 4, torch.device("cpu"), 1, 0)
+    batches = common.Batches(tokens, mcfg.block_size, 4, torch.device("cpu"), 1, 0)
     x, y = batches.get(0, 0)
     _, loss = model(x, y)
     loss.backward()
@@ -152,7 +148,6 @@ def test_train_step_clips_the_gradient_of_all_parameters():
 # -- 5. LoRA's dropout: whole input columns of lora_A --------------------------------------------------------
 
 def test_lora_dropout_zeroes_whole_input_columns():
-    LoRA = lora_class()
     d_out, d_in, rank, alpha, p = 24, 200, 4, 8, 0.5
     torch.manual_seed(0)
     lora = LoRA(d_out, d_in, rank, alpha, p)

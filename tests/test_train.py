@@ -311,3 +311,20 @@ def test_depth_table_on_a_checkpoint(tmp_path, shakespeare):
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1", "--model_type=baseline", out="gpt")
     with pytest.raises(UserError, match="fixed layers: only an ODE checkpoint"):
         depth.main([f"--init_from={tmp_path / 'gpt' / 'ckpt.pt'}"])
+
+
+@pytest.mark.parametrize("extra", [[], ["--gradient_accumulation_steps=3"]])
+def test_the_default_run_calls_the_hypernetwork_once_per_iteration(tmp_path, monkeypatch, extra):
+    """`python train.py` (config/shakespeare.py, 3 iterations), and with 3 micro-steps: one
+    HyperNetwork.forward per training iteration and one per evaluation, and never the sharded path's
+    generator (scale/weightgen.py)."""
+    from model import HyperNetwork
+    from scale.weightgen import WeightGenerator
+    calls, evaluations = [], []
+    forward, evaluate = HyperNetwork.forward, train.evaluate
+    monkeypatch.setattr(HyperNetwork, "forward", lambda self, ts: calls.append(1) or forward(self, ts))
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: evaluations.append(1) or evaluate(*a, **k))
+    monkeypatch.setattr(WeightGenerator, "generate", lambda *a, **k: pytest.fail("the sharded path ran"))
+    train.main(["--max_iters=3", "--eval_iters=2", f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}",
+                *extra])
+    assert len(evaluations) == 2 and len(calls) == 3 + 2  # evaluations at iterations 0 and 3
