@@ -1,5 +1,5 @@
 """
-Adaptive fine-tuning (SPEC 5): a pretrained DiffEqFormer becomes a transformer of ANY depth, because
+Adaptive fine-tuning (METHOD 5): a pretrained DiffEqFormer becomes a transformer of ANY depth, because
 depth is a solver step count. Materialise the ODE at N' Euler steps, then fine-tune it, fully or
 with LoRA, on new data.
 
@@ -59,7 +59,7 @@ RUNTIME_KEYS = ("dropout", "checkpoint")  # model options that fine-tuning may s
 # -- LoRA -----------------------------------------------------------------------------------------
 
 class LoRA(nn.Module):
-    """W -> W + (alpha / r) lora_B lora_A (SPEC 5), a parametrization of an nn.Linear weight (out, in)."""
+    """W -> W + (alpha / r) lora_B lora_A (METHOD 5), a parametrization of an nn.Linear weight (out, in)."""
 
     def __init__(self, d_out, d_in, rank, alpha, dropout):
         super().__init__()
@@ -196,7 +196,7 @@ def check_options(mcfg, fcfg, cfg, given):
         raise ConfigError("--n_layer: the fine-tuned depth is --steps N (the layers of the materialised ODE)")
     if mcfg.solver != "euler":
         raise ConfigError(f"--solver={mcfg.solver}: a materialised model is the Euler discretisation of the ODE "
-                          f"(SPEC 5); fine-tune at another depth with --steps N")
+                          f"(METHOD 5); fine-tune at another depth with --steps N")
     shape = sorted(k for k in given if k in ModelConfig.__dataclass_fields__ and k not in (*RUNTIME_KEYS, "solver"))
     if shape:
         raise ConfigError(f"--{shape[0]}: the model's shape comes from the checkpoint; fine-tuning may set only "

@@ -1,16 +1,16 @@
 """
 DiffEqFormer: a transformer whose depth is time (Tong et al., "Neural ODE Transformers", ICLR 2025).
 
-The hidden state X(t) of the token sequence follows the non-autonomous ODE (SPEC 1)
+The hidden state X(t) of the token sequence follows the non-autonomous ODE (METHOD 1)
 
     dX/dt = F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)),      t in [0, 1]
 
 where every weight of attention A_t, feed-forward M_t and the norms N_t is a continuous function of
-t, produced by a small hypernetwork from a sinusoidal time embedding (SPEC 3). A "layer" is one
-solver step (SPEC 2): N Euler steps cost exactly what an N-layer transformer costs.
+t, produced by a small hypernetwork from a sinusoidal time embedding (METHOD 3). A "layer" is one
+solver step (METHOD 2): N Euler steps cost exactly what an N-layer transformer costs.
 
 One file serves every model of the paper; they differ only in where the weights of step k come
-from and how the residual is added (SPEC 4, 5):
+from and how the residual is added (METHOD 4, 5):
 
     model_type     weights of step k                   residual update                     h
     -----------    ---------------------------------   ---------------------------------   ----
@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 MODEL_TYPES = ("diffeq", "shared", "baseline", "materialized")
 FLAVORS = ("gpt", "llama")
 INITS = ("reference", "gpt")
-# Fixed-step solvers over [0, 1] and the times of their stages, as fractions of a step (SPEC 2).
+# Fixed-step solvers over [0, 1] and the times of their stages, as fractions of a step (METHOD 2).
 # Euler takes the weights at the END of each step, t_k = (k + 1) / N, as the reference does.
 SOLVERS = {"euler": (1.0,), "midpoint": (0.0, 0.5), "rk4": (0.0, 0.5, 0.5, 1.0)}
 MAX_STEPS = 1024  # the step loop is unrolled into the compiled graph; beyond this it stops making sense
@@ -61,7 +61,7 @@ class ModelConfig:
     n_head: int = 12
     n_embd: int = 768
     ffn_dim: int = 0  # hidden width of the feed-forward block; 0 means 4 * n_embd
-    d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (SPEC 3)
+    d_t: int = 20  # time-embedding dimension: width of each weight's time MLP (METHOD 3)
     time_freqs: int = 128  # S, the number of sinusoid frequencies in e(t)
     time_scale: float = 1000.0  # the frequency scale of e(t)'s sinusoids (the reference's 1000; smaller is smoother in t)
     solver: str = "euler"  # default solver: "euler", "midpoint" or "rk4"
@@ -135,7 +135,7 @@ def apply_rope(x, cos, sin):
 
 
 def attention(x, w, cfg, rope, dropout, mask=None, cache=None):
-    """Causal multi-head self-attention A_t(Y) of SPEC 1, with fused QKV and output projection.
+    """Causal multi-head self-attention A_t(Y) of METHOD 1, with fused QKV and output projection.
 
     mask (T, S), True where a query may see a key, replaces the plain causal mask where that is not
     enough: decoding with a KV cache, or a RoPE model reading more than block_size tokens. cache, while
@@ -149,7 +149,7 @@ def attention(x, w, cfg, rope, dropout, mask=None, cache=None):
     if cache is not None:
         kv, slots = cache
         k, v = kv.update(slots, k, v)  # (B, nh, max_len, hs): every position so far
-    # attention-probability dropout only in the baselines (nanoGPT's): the reference ODE block has none (SPEC 3)
+    # attention-probability dropout only in the baselines (nanoGPT's): the reference ODE block has none (METHOD 3)
     p = dropout if cfg.model_type == "baseline" else 0.0
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)  # flash on CUDA
     y = y.transpose(1, 2).reshape(B, T, C)
@@ -157,7 +157,7 @@ def attention(x, w, cfg, rope, dropout, mask=None, cache=None):
 
 
 def mlp(x, w, cfg, dropout):
-    """Feed-forward M_t(Y): GPT-2's tanh-GELU MLP, or Llama's SwiGLU (SPEC 1)."""
+    """Feed-forward M_t(Y): GPT-2's tanh-GELU MLP, or Llama's SwiGLU (METHOD 1)."""
     if cfg.flavor == "llama":
         y = F.linear(F.silu(F.linear(x, *w["gate"])) * F.linear(x, *w["up"]), *w["down"])
     else:
@@ -166,13 +166,13 @@ def mlp(x, w, cfg, dropout):
 
 
 def vector_field(x, w, cfg, rope, dropout, mask=None, cache=None):
-    """F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)): attention and MLP in parallel on the same state (SPEC 1)."""
+    """F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)): attention and MLP in parallel on the same state (METHOD 1)."""
     return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
             + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout))
 
 
 def sequential_block(x, w, cfg, rope, dropout, mask=None, cache=None):
-    """The GPT / Llama baseline layer: pre-norm, attention then MLP, one after the other (SPEC 4)."""
+    """The GPT / Llama baseline layer: pre-norm, attention then MLP, one after the other (METHOD 4)."""
     x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
     return x + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout)
 
@@ -232,14 +232,14 @@ def hyper_shapes(cfg):
 
 
 def stage_times(steps, solver, device=None, dtype=torch.float32):
-    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps (SPEC 2)."""
+    """Every time at which the solver evaluates F, (steps * stages,): t = (k + c_i) / steps (METHOD 2)."""
     c = torch.tensor(SOLVERS[solver], device=device, dtype=dtype)
     k = torch.arange(steps, device=device, dtype=dtype)[:, None]
     return ((k + c) / steps).flatten()
 
 
 # ----------------------------------------------------------------------------------------------
-# Time-dependent weights: the hypernetwork of SPEC 3.
+# Time-dependent weights: the hypernetwork of METHOD 3.
 
 class TimeEmbedding(nn.Module):
     """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S); (T,) -> (T, 2S+1),
@@ -268,7 +268,7 @@ class TimeMLP(nn.Module):
 
 
 class TimeDependentLinear(nn.Module):
-    """W(t) = reshape(A_W z(t) + B_W) and b(t) = C_W z(t) (SPEC 3), for all times at once.
+    """W(t) = reshape(A_W z(t) + B_W) and b(t) = C_W z(t) (METHOD 3), for all times at once.
 
     A_W is (out*in, d_t), B_W (out*in,), C_W (out, d_t). W(t) comes out flat, (T, out*in), fresh
     from one matmul for every time (a module output that is a view upsets FSDP2's backward hooks);
@@ -295,7 +295,7 @@ class TimeDependentLinear(nn.Module):
 
 
 class TimeDependentNorm(nn.Module):
-    """gain(t) = 1 + G z(t), bias(t) = H z(t) with G, H zero-initialised (SPEC 3); no bias for RMSNorm."""
+    """gain(t) = 1 + G z(t), bias(t) = H z(t) with G, H zero-initialised (METHOD 3); no bias for RMSNorm."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -315,7 +315,7 @@ class TimeDependentNorm(nn.Module):
 class HyperNetwork(nn.Module):
     """All block weights of the vector field as functions of t: forward(ts) -> {name: (W, b)}, each
     stacked over the times, (T, ...), with the block's names. Only e(t) is shared; every weight has
-    its own time MLP (SPEC 3; the Llama flavour's q, k, v one each: see hyper_shapes)."""
+    its own time MLP (METHOD 3; the Llama flavour's q, k, v one each: see hyper_shapes)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -420,10 +420,10 @@ class DiffEqFormer(nn.Module):
         self.kv_caches, self.decode_weights, self.cache_steps = None, None, None  # see setup_caches
         self.init_weights()
 
-    # -- initialisation (SPEC 3) -------------------------------------------------------------
+    # -- initialisation (METHOD 3) -------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, local=None):
-        """SPEC 3. Reference init (the default, so that the paper's runs are reproduced as they were
+        """METHOD 3. Reference init (the default, so that the paper's runs are reproduced as they were
         trained): every linear weight and A_W N(0, 0.02^2), biases 0 (B_W included), C_W N(0, 1e-4^2),
         norm G, H zero; the ODE starts as almost the identity map. With init="gpt", B_W starts like a
         GPT weight (N(0, 0.02^2), residual projections / sqrt(2 n_layer)), so the ODE starts as a
@@ -546,7 +546,7 @@ class DiffEqFormer(nn.Module):
         return steps, solver
 
     def integrate(self, x, steps, solver, rope, dropout, offsets=None, weights=None, mask=None, caches=None):
-        """X(1) from X(0): `steps` solver steps of the ODE (SPEC 2), or the layers of a discrete model.
+        """X(1) from X(0): `steps` solver steps of the ODE (METHOD 2), or the layers of a discrete model.
         While decoding, caches[j] is the KV cache of evaluation j of F (a solver stage, or layer j), and
         the ODE takes the weights that setup_caches generated."""
         cfg = self.cfg
@@ -569,7 +569,7 @@ class DiffEqFormer(nn.Module):
         args = (cfg, rope, dropout, mask)
         h = 1.0 / steps
         for k in range(steps):
-            if solver == "euler":  # SPEC 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
+            if solver == "euler":  # METHOD 2: X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h
                 x = x + h * f(x, W[k], *args, caches[k])
             elif solver == "midpoint":  # stages at k h and (k + 1/2) h
                 j = 2 * k
@@ -609,7 +609,7 @@ class DiffEqFormer(nn.Module):
         self._weight_cache.clear()
         return super().train(mode)
 
-    # -- the ODE as an ordinary transformer (SPEC 5) ---------------------------------------------
+    # -- the ODE as an ordinary transformer (METHOD 5) ---------------------------------------------
     @torch.no_grad()
     def materialize(self, steps=None):
         """A plain N-layer transformer (nn.Linear weights, residual updates scaled by 1/N) whose logits

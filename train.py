@@ -8,7 +8,7 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     python train.py --convert=out-llama1b/ckpt_sharded               # -> out-llama1b/ckpt.pt
 
 The nanoGPT loop, as a function (`fit`) that finetune.py reuses: gradient accumulation, bf16 autocast
-on CUDA, optional torch.compile, AdamW with warm-up and cosine decay (SPEC 7), periodic evaluation,
+on CUDA, optional torch.compile, AdamW with warm-up and cosine decay (METHOD 7), periodic evaluation,
 a tqdm bar with loss, tokens/s and MFU, a JSONL log and a loss-curve PNG, atomic checkpoints and an
 exact `--init_from=resume`. The ODE's weights are generated once per optimizer step, sharded under
 FSDP2 (weightgen.py); under FSDP2 every rank builds the model on the meta device and allocates and
@@ -61,7 +61,7 @@ class TrainConfig:
     data_root: str = "data"
     batch_size: int = 16  # sequences per micro-step and process
     gradient_accumulation_steps: int = 1  # micro-steps per iteration, over all processes together
-    # AdamW and schedule (SPEC 7)
+    # AdamW and schedule (METHOD 7)
     max_iters: int = 2000
     learning_rate: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decay ends at min_lr_ratio * learning_rate

@@ -1,7 +1,7 @@
 """
 The ODE's weights, generated once per optimizer step, and under FSDP2 generated where they are sharded.
 
-W(t) = reshape(A_W z(t) + B_W) (SPEC 3) depends on the hypernetwork only, not on the batch. So the
+W(t) = reshape(A_W z(t) + B_W) (METHOD 3) depends on the hypernetwork only, not on the batch. So the
 training loop (train.py) generates the weights of every stage time once per iteration, runs every
 micro-step against detached copies of them (leaves) that collect dL/dW, and pulls dL/dW back into the
 hypernetwork once, after the last micro-step:
