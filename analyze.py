@@ -1,5 +1,5 @@
 """
-Look inside a trained DiffEqFormer: the paper's analysis section (SPEC 6; Tong et al., Section 5, App. B, C.8, E, F).
+Look inside a trained DiffEqFormer: the paper's analysis section (METHOD 6; Tong et al., Section 5, App. B, C.8, E, F).
 
     python analyze.py --lyapunov                       # which input tokens steer the next-token prediction
     python analyze.py --lyapunov --prompt "ROMEO:" --steps 12
@@ -10,7 +10,7 @@ Look inside a trained DiffEqFormer: the paper's analysis section (SPEC 6; Tong e
 Three modes, each writing the raw arrays and figures (drawn by plots.py) into --out:
 
 * `--spectral` (Fig. 2a/2b, App. E): eigenvalues of QK_h(t) = Wq_h Wk_h^T and OV_h(t) = Wv_h Wo_h for every
-  head, and of the FFN product W1 W2, in the "x W" convention of SPEC 6. For an ODE checkpoint they are taken
+  head, and of the FFN product W1 W2, in the "x W" convention of METHOD 6. For an ODE checkpoint they are taken
   at --times points of [0, 1] from the hypernetwork and at the forward pass's own grid t_k = (k+1)/N, which
   the figures mark (the weights are continuous in t, but the time embedding's scale of 1000 lets them vary
   within 0.01 of t, and training with N steps only ever sets them on the grid); for a GPT, Llama or
@@ -23,7 +23,7 @@ Three modes, each writing the raw arrays and figures (drawn by plots.py) into --
 
 Everything is computed in float64 on the CPU from the model's own weight generation (`step_weights`,
 `hyper`, `vector_field`), so what is analysed is what the forward pass multiplies by. Where the authors'
-analysis code differs, this file follows SPEC 6: the Lyapunov Jacobians and the spectra are taken at the
+analysis code differs, this file follows METHOD 6: the Lyapunov Jacobians and the spectra are taken at the
 forward pass's times (k+1)/N (theirs at k/N), the spectra come through the time MLP (theirs bypass it) and
 the eigenvalues stay complex (theirs drop the imaginary parts).
 """
@@ -106,7 +106,7 @@ def resolve_steps(model, steps, path):
 
 def forward_weights(model, steps):
     """The block weights of each step or layer, [{name: (weight, bias)}], exactly those the forward pass
-    multiplies by: an ODE's `step_weights` at t_k = (k+1)/N (SPEC 2), or the layers' parameters."""
+    multiplies by: an ODE's `step_weights` at t_k = (k+1)/N (METHOD 2), or the layers' parameters."""
     if model.cfg.is_ode:
         return model.step_weights(steps, "euler")
     return [layer.weights() for layer in model.layers]
@@ -114,7 +114,7 @@ def forward_weights(model, steps):
 
 def weights_at(model, ts):
     """An ODE's block weights at any times ts, {name: (W (T, out, in), b (T, out) or None)}: the hypernetwork's
-    output (SPEC 3), or the shared block's at every t."""
+    output (METHOD 3), or the shared block's at every t."""
     if model.cfg.model_type == "shared":
         return stack([model.block.weights()] * len(ts))
     return model.hyper(ts)
@@ -132,11 +132,11 @@ def head_weights(W, n_head):
     return W.unflatten(-2, (3, n_head, W.size(-1) // n_head)).unbind(-4)
 
 
-# -- spectral dynamics (SPEC 6, Fig. 2a/2b, App. E) ----------------------------------------------------
+# -- spectral dynamics (METHOD 6, Fig. 2a/2b, App. E) ----------------------------------------------------
 
 def spectra(w, cfg):
     """Eigenvalues of QK_h = Wq_h Wk_h^T (H per step), OV_h = Wv_h Wo_h (H per step) and the FFN product W1 W2 for
-    stacked block weights (SPEC 6, "x W" convention): (T, H, d_h), (T, H, d_h), (T, D), complex, each sorted by
+    stacked block weights (METHOD 6, "x W" convention): (T, H, d_h), (T, H, d_h), (T, D), complex, each sorted by
     decreasing magnitude. QK_h and OV_h are D x D of rank d_h, so besides D - d_h zeros their eigenvalues are
     those of the d_h x d_h products Wk_h^T Wq_h and Wo_h Wv_h (eig(AB) = eig(BA)), which are what is computed.
     The FFN product is fc then fc2 (GPT) or up then down (SwiGLU, whose gate acts elementwise). Biases, norm
@@ -189,12 +189,12 @@ def spectral(model, steps, times, out):
     print(f"wrote {', '.join(paths)} and {os.path.join(out, 'spectral.npz')}")
 
 
-# -- clustering of particles (SPEC 6, App. C.8, Fig. 2c/2d) --------------------------------------------
+# -- clustering of particles (METHOD 6, App. C.8, Fig. 2c/2d) --------------------------------------------
 
 def simulate_particles(x0, Q0, K0, V0, power, steps, sphere):
     """dx_i/dt = sum_j softmax_j(<Q(t) x_i, K(t) x_j>) V(t) x_j with Q, K, V = f(t) (Q0, K0, V0), f(t) = t^power
     (power 0: f = 1, weight sharing), by Euler over t in [0, 1] with the weights at the end of each step as in
-    SPEC 2, optionally projected onto the unit sphere after each step. Returns (steps + 1, n, d)."""
+    METHOD 2, optionally projected onto the unit sphere after each step. Returns (steps + 1, n, d)."""
     h = 1.0 / steps
     x = x0 / np.linalg.norm(x0, axis=-1, keepdims=True) if sphere else x0
     xs = [x]
@@ -245,18 +245,18 @@ def cluster(ccfg, out):
     print(f"wrote {png}, {os.path.join(out, 'cluster.txt')} and {os.path.join(out, 'cluster.npz')}")
 
 
-# -- Lyapunov token sensitivity (SPEC 6, Eq. 7, App. B) ----------------------------------------------
+# -- Lyapunov token sensitivity (METHOD 6, Eq. 7, App. B) ----------------------------------------------
 
 def embed(model, idx):
-    """X_0 of SPEC 1 for one sequence of token ids (T,): (T, D)."""
+    """X_0 of METHOD 1 for one sequence of token ids (T,): (T, D)."""
     x = model.wte(idx)
     return x + model.wpe(torch.arange(len(idx))) if model.wpe is not None else x
 
 
 def step_fields(model, steps, T):
     """The forward pass as Euler steps X_{k+1} = X_k + h F_k(X_k) of one sequence's state (T, D): ([F_k], h, weights).
-    F_k is the vector field of SPEC 1 with step k's weights; a GPT or Llama layer, which adds attention and MLP
-    one after the other, is a step of size 1 of F_k(X) = layer(X) - X (SPEC 4)."""
+    F_k is the vector field of METHOD 1 with step k's weights; a GPT or Llama layer, which adds attention and MLP
+    one after the other, is a step of size 1 of F_k(X) = layer(X) - X (METHOD 4)."""
     cfg = model.cfg
     W = forward_weights(model, steps)
     rope = rope_tables(torch.arange(T), cfg.n_embd // cfg.n_head, torch.float64) if cfg.flavor == "llama" else None
@@ -280,7 +280,7 @@ def jacobians(F_k, x, out):
 
 
 def lyapunov_exponents(fields, h, x0, out, progress=False):
-    """Eq. 7 (SPEC 6): along X_0 .. X_N of the Euler solve, for every input position at once, Q_0 = I and
+    """Eq. 7 (METHOD 6): along X_0 .. X_N of the Euler solve, for every input position at once, Q_0 = I and
     Q <- Q + h J_k Q, J_k = dF_k(X_k)[out] / dX_k[in], then QR and lambda += log|diag R|. Returns the summed
     exponents (T, D), in the QR's order, and the trajectory [X_0, .., X_N]."""
     T, D = x0.shape

@@ -408,7 +408,7 @@ class DiffEqFormer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, local=None):
-        """METHOD 3.3: the authors' init (A_W 0.02, B_W 0: the ODE starts near the identity map), or
+        """METHOD 3.4: the authors' init (A_W 0.02, B_W 0: the ODE starts near the identity map), or
         init="gpt" (B_W as a GPT weight: the ODE starts as a weight-shared GPT). Values depend on
         init_seed, the parameter's name and the row only, so a process holding some rows of a
         parameter draws just those: `local(p)` -> (its rows held here, the first one's index)."""
@@ -485,7 +485,7 @@ class DiffEqFormer(nn.Module):
             weights = self.cached_weights
         elif T > cfg.block_size:
             mask = sliding_window_mask(pos, pos, cfg.block_size)
-        if offsets is not None:  # any-depth training (METHOD 8): Euler's times moved in their steps
+        if offsets is not None:  # any-depth training (METHOD 8.2): Euler's times moved
             if weights is not None or not cfg.is_ode:
                 raise ValueError("offsets move an ODE's generated times: give them without weights")
             weights = self.step_weights(steps, solver, offsets)
@@ -516,7 +516,7 @@ class DiffEqFormer(nn.Module):
 
     def times(self, steps, solver, offsets=None):
         """stage_times in the time dtype on the model's device; Euler's moved back inside their
-        steps by offsets (steps,) in [0, 1): t_k = (k + 1 - offsets_k) / N (METHOD 8)."""
+        steps by offsets (steps,) in [0, 1): t_k = (k + 1 - offsets_k) / N (METHOD 8.2)."""
         ts = stage_times(steps, solver, self.wte.weight.device, time_dtype(self.wte.weight.dtype))
         if offsets is not None:
             if solver != "euler" or offsets.shape != (steps,):

@@ -189,7 +189,7 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
     W = leaves = None
     if gen is not None:  # a sharded hypernetwork: the same, process by process (scale/weightgen.py)
         gen.generate(steps, offsets=offsets)
-    elif parallel.generates_once(raw, cfg):  # the ODE's weights once per optimizer step (METHOD 8):
+    elif parallel.generates_once(raw, cfg):  # the ODE's weights once per optimizer step (METHOD 8.1):
         W = raw.hyper(raw.times(steps, raw.cfg.solver, offsets))  # one hypernetwork call, all times
         leaves = {name: [None if w is None else w.detach().requires_grad_() for w in pair]
                   for name, pair in W.items()}  # detached: each collects dL/dW over the micro-steps

@@ -1,4 +1,4 @@
-# SPEC 5, Fig. 5: the 18-step model pretrained on OpenWebText (config/pretrain18.py), fine-tuned on
+# METHOD 5, Fig. 5: the 18-step model pretrained on OpenWebText (config/pretrain18.py), fine-tuned on
 # WikiText-103 as a transformer of --steps in {9, 12, 18, 24}, with LoRA (default) or --no-lora.
 # The baseline: a 24-layer GPT (config/owt_gpt_medium.py --model_type=baseline) with --steps 24.
 # torchrun --nproc_per_node=8 finetune.py config/finetune_owt_to_wt103.py --steps 12

@@ -1,4 +1,4 @@
-# The ODE Llama-1B (SPEC 7): 6.7B parameters, 6.5B of them in the hypernetwork, so AdamW state alone is
+# The ODE Llama-1B (METHOD 7): 6.7B parameters, 6.5B of them in the hypernetwork, so AdamW state alone is
 # ~107 GB: sharded with FSDP2 over 8 GPUs, the weights W(t) generated once per optimizer step, each rank
 # its own columns (weightgen.py). The dry run plans ~41 GiB per 80 GB GPU with these settings (no change
 # was needed for the 60 GiB target once the weights are generated once per step: 16 GiB of it is

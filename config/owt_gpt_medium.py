@@ -1,4 +1,4 @@
-# GPT-medium on OpenWebText (SPEC 7); --model_type=baseline for GPT.
+# GPT-medium on OpenWebText (METHOD 7); --model_type=baseline for GPT.
 include("owt_gpt_small.py")
 out_dir = "out-owt-gpt-medium"
 n_layer = 24

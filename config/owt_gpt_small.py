@@ -1,4 +1,4 @@
-# GPT-small on OpenWebText (SPEC 7): DiffEqFormer; --model_type=baseline trains the GPT it is compared with.
+# GPT-small on OpenWebText (METHOD 7): DiffEqFormer; --model_type=baseline trains the GPT it is compared with.
 # torchrun --nproc_per_node=8 train.py config/owt_gpt_small.py
 out_dir = "out-owt-gpt-small"
 dataset = "openwebtext"

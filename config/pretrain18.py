@@ -1,4 +1,4 @@
-# The model the paper pretrains for adaptive fine-tuning (SPEC 5, 7): 18 steps, then finetune.py with
+# The model the paper pretrains for adaptive fine-tuning (METHOD 5, 7): 18 steps, then finetune.py with
 # --steps in {9, 12, 18, 24}. --dataset=wikitext103 for the reverse direction.
 include("owt_gpt_medium.py")
 out_dir = "out-pretrain18"

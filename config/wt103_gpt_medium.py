@@ -1,4 +1,4 @@
-# GPT-medium on WikiText-103 (SPEC 7); --model_type=baseline for GPT.
+# GPT-medium on WikiText-103 (METHOD 7); --model_type=baseline for GPT.
 include("owt_gpt_medium.py")
 out_dir = "out-wt103-gpt-medium"
 dataset = "wikitext103"

@@ -1,4 +1,4 @@
-# GPT-small on WikiText-103 (SPEC 7); --model_type=baseline for GPT.
+# GPT-small on WikiText-103 (METHOD 7); --model_type=baseline for GPT.
 include("owt_gpt_small.py")
 out_dir = "out-wt103-gpt-small"
 dataset = "wikitext103"

@@ -5,7 +5,7 @@ An ODE checkpoint's validation loss against its step count and solver, without f
     python -m experiments.depth --init_from=out-anydepth/ckpt.pt --steps=2,3,4,6,8,12,16,24 --solvers=euler,rk4
 
 A DiffEqFormer's depth is a solver step count, so a trained model can run at any N and with any
-fixed-step solver (SPEC 2). Whether it is any good there is an empirical question: this prints the
+fixed-step solver (METHOD 2). Whether it is any good there is an empirical question: this prints the
 table, and plots the loss against N and against the number of vector-field evaluations (the compute:
 N for Euler, 2N for midpoint, 4N for RK4), into --out (depth.png, depth.json).
 """

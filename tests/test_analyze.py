@@ -1,6 +1,6 @@
 """analyze.py against independent computations: numpy spectra of the materialised weights, central finite
 differences of the vector field, exact exponents of linear fields, the forward pass's own logits, and the
-clustering of the particle simulation (SPEC 6)."""
+clustering of the particle simulation (METHOD 6)."""
 import os
 import sys
 
@@ -47,7 +47,7 @@ def same_eigenvalues(ours, theirs, tol=1e-9):
 # -- spectral dynamics -------------------------------------------------------------------------------
 
 def numpy_spectra(weights, C, H):
-    """QK_h = Wq_h Wk_h^T, OV_h = Wv_h Wo_h (D x D) and W1 W2 of one layer, written from SPEC 6 in numpy with the
+    """QK_h = Wq_h Wk_h^T, OV_h = Wv_h Wo_h (D x D) and W1 W2 of one layer, written from METHOD 6 in numpy with the
     "x W" convention (Wq = attn.weight[:C].T, Wo = proj.weight.T), and their eigenvalues."""
     attn, proj = weights["attn"][0].numpy(), weights["proj"][0].numpy()
     Wq, Wk, Wv, Wo = attn[:C].T, attn[C:2 * C].T, attn[2 * C:].T, proj.T

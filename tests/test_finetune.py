@@ -61,7 +61,7 @@ def test_one_step_changes_only_adapters_and_merge_is_exact():
 
 
 def test_merged_weight_is_w_plus_alpha_over_r_times_b_a():
-    """SPEC 5 on hand-set adapters: the merged weight is W + (alpha / r) B A, exactly."""
+    """METHOD 5 on hand-set adapters: the merged weight is W + (alpha / r) B A, exactly."""
     layers = random_ode().materialize(2)
     W = layers.layers[1].proj.weight.detach().clone()  # (32, 32)
     lora.add_lora(layers, rank=2, alpha=6.0, targets="proj")

@@ -188,7 +188,7 @@ def euler_step(x, Q0, K0, V0, t, h, power, sphere):
 
 @pytest.mark.parametrize("sphere", [True, False])
 def test_particle_simulation_steps_at_the_end_of_each_step(sphere):
-    """analyze.simulate_particles documents SPEC 2's convention: step k (0-based) of N = 200 over [0, 1] has
+    """analyze.simulate_particles documents METHOD 2's convention: step k (0-based) of N = 200 over [0, 1] has
     h = 1/N and takes the weights at t = (k + 1) / N. The first, second and last steps are recomputed."""
     rng = np.random.default_rng(1)
     n, d, N, power = 8, 3, 200, 1

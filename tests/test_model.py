@@ -29,7 +29,7 @@ def tokens(T=16, B=2, vocab=96, seed=1):
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-# -- the ODE and its materialised transformer (SPEC 2, 5) --------------------------------------
+# -- the ODE and its materialised transformer (METHOD 2, 5) --------------------------------------
 
 @pytest.mark.parametrize("flavor", ["gpt", "llama"])
 def test_materialize_equals_ode_with_same_steps(flavor):
@@ -48,7 +48,7 @@ def test_materialize_equals_ode_with_same_steps(flavor):
 
 
 def test_euler_takes_the_weights_at_the_end_of_each_step():
-    """SPEC 2: t_k = (k + 1) / N, as the reference; layer k of the materialised model holds W(t_k)."""
+    """METHOD 2: t_k = (k + 1) / N, as the reference; layer k of the materialised model holds W(t_k)."""
     assert torch.equal(stage_times(4, "euler"), torch.tensor([0.25, 0.5, 0.75, 1.0]))
     assert torch.equal(stage_times(2, "midpoint"), torch.tensor([0.0, 0.25, 0.5, 0.75]))
     model = randomized(tiny())
@@ -183,7 +183,7 @@ def test_baseline_matches_independent_equations(flavor, reference):
     assert (logits - expected).abs().max() < 1e-5
 
 
-# -- the hypernetwork (SPEC 3) ------------------------------------------------------------------
+# -- the hypernetwork (METHOD 3) ------------------------------------------------------------------
 
 def test_time_embedding_and_generated_weight_follow_spec3():
     cfg = tiny()
@@ -224,7 +224,7 @@ def test_batched_weights_equal_one_time_at_a_time(flavor):
 
 
 def test_reference_init_starts_near_identity():
-    """SPEC 3: with the reference init W(t) ~ 0, so X(1) barely moves from X(0)."""
+    """METHOD 3: with the reference init W(t) ~ 0, so X(1) barely moves from X(0)."""
     torch.manual_seed(0)
     model = DiffEqFormer(tiny())
     x0 = torch.randn(2, 8, 32)
@@ -255,7 +255,7 @@ def test_checkpointed_steps_give_same_loss_and_gradients(model_type):
 
 @pytest.mark.parametrize("model_type,expected", [("diffeq", 0.0), ("shared", 0.0), ("baseline", 0.3)])
 def test_attention_probability_dropout_only_in_the_baselines(monkeypatch, model_type, expected):
-    """SPEC 3: the reference ODE block applies no dropout to the attention probabilities."""
+    """METHOD 3: the reference ODE block applies no dropout to the attention probabilities."""
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -323,7 +323,7 @@ def test_compiled_model_matches_eager_without_graph_breaks():
         assert (eager - fast).abs().max() < 1e-4
 
 
-# -- sizes (SPEC 7), built on the meta device --------------------------------------------------
+# -- sizes (METHOD 7), built on the meta device --------------------------------------------------
 
 def on_meta(config_file, **overrides):
     with torch.device("meta"):
@@ -336,7 +336,7 @@ def on_meta(config_file, **overrides):
     ("config/owt_gpt_large.py", 762, 774.1),
 ])
 def test_gpt_parameter_counts_match_paper(config_file, millions, padded):
-    """SPEC 7's counts are the GPT-2 paper's, which counted a 40,478-token embedding (GPT-1's
+    """METHOD 7's counts are the GPT-2 paper's, which counted a 40,478-token embedding (GPT-1's
     vocabulary): with it every count matches to 0.5%. With GPT-2's vocabulary padded to 50304
     they are the familiar 124M / 355M / 774M."""
     model = on_meta(config_file, model_type="baseline")
@@ -352,7 +352,7 @@ def test_llama_and_ode_parameter_counts():
     ode_medium = on_meta("config/owt_gpt_medium.py", d_t=144)
     assert ode_medium.num_params() / 1e9 == pytest.approx(1.8, rel=0.05)
     ode_llama = on_meta("config/llama1b.py", vocab_size=32000)
-    assert 6.4e9 < ode_llama.num_params() < 6.8e9  # SPEC 7: ~97 x 67M hypernetwork parameters
+    assert 6.4e9 < ode_llama.num_params() < 6.8e9  # METHOD 7: ~97 x 67M hypernetwork parameters
     assert all(p.device.type == "meta" for p in ode_llama.parameters())
 
 

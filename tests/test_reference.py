@@ -1,4 +1,4 @@
-"""The float64 ODE against an independent NumPy evaluation of SPEC 1-3, written from the formulas alone."""
+"""The float64 ODE against an independent NumPy evaluation of METHOD 1-3, written from the formulas alone."""
 import numpy as np
 import pytest
 import torch
@@ -27,7 +27,7 @@ def softmax(s):
 
 
 def time_features(t, S):
-    """SPEC 3: e(t) = [t, sin(1000 t w_j), cos(1000 t w_j)], w_j = exp(-ln(10000) j / S)."""
+    """METHOD 3: e(t) = [t, sin(1000 t w_j), cos(1000 t w_j)], w_j = exp(-ln(10000) j / S)."""
     omega = np.exp(-np.log(10000.0) * np.arange(S) / S)
     return np.concatenate([[t], np.sin(1000 * t * omega), np.cos(1000 * t * omega)])
 
@@ -39,7 +39,7 @@ def z_of(P, name, e):
 
 
 def gpt_ode_logits(P, idx, cfg, steps):
-    """SPEC 1-3, GPT flavour, forward Euler with t_k = (k + 1) / N; P holds float64 NumPy arrays."""
+    """METHOD 1-3, GPT flavour, forward Euler with t_k = (k + 1) / N; P holds float64 NumPy arrays."""
     T, C, nh = len(idx), cfg.n_embd, cfg.n_head
     hs = C // nh
     x = P["wte.weight"][idx] + P["wpe.weight"][:T]
@@ -81,7 +81,7 @@ def rotary(x, base=10000.0):
 
 
 def llama_ode_logits(P, idx, cfg, steps):
-    """SPEC 1-3, Llama flavour: RMSNorm with gain 1 + G z(t), q, k, v each from its own time MLP, RoPE,
+    """METHOD 1-3, Llama flavour: RMSNorm with gain 1 + G z(t), q, k, v each from its own time MLP, RoPE,
     SwiGLU down(silu(gate x) * up x), no biases, untied head; forward Euler with t_k = (k + 1) / N."""
     T, C, nh = len(idx), cfg.n_embd, cfg.n_head
     hs = C // nh
@@ -150,7 +150,7 @@ def test_float32_model_computes_times_in_float32_at_least():
 @pytest.mark.parametrize("init", ["reference", "gpt"])
 @pytest.mark.parametrize("model_type", ["diffeq", "shared"])
 def test_ode_position_embeddings_start_at_std_001(init, model_type):
-    """SPEC 3: the ODE's position embeddings are N(0, 0.01^2) whatever `init` is; GPT keeps 0.02."""
+    """METHOD 3: the ODE's position embeddings are N(0, 0.01^2) whatever `init` is; GPT keeps 0.02."""
     torch.manual_seed(0)
     cfg = dict(TINY, block_size=1024, n_embd=64)
     ode = DiffEqFormer(ModelConfig(**cfg, model_type=model_type, init=init))
@@ -161,7 +161,7 @@ def test_ode_position_embeddings_start_at_std_001(init, model_type):
 
 @pytest.mark.parametrize("changed", ["q", "k", "v"])
 def test_llama_generates_q_k_v_with_a_time_mlp_each(changed):
-    """SPEC 3 (the authors' ODE Llama): changing the query's time MLP changes W_q(t) only, and so on;
+    """METHOD 3 (the authors' ODE Llama): changing the query's time MLP changes W_q(t) only, and so on;
     the three still come out as the block's one fused (3C, C) attention weight."""
     model = float64_model(flavor="llama")
     ts = torch.tensor([0.25, 0.6], dtype=torch.float64)

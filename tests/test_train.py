@@ -198,7 +198,7 @@ def test_startup_summary_is_a_few_readable_lines(tmp_path, shakespeare, capsys):
 
 
 def test_weight_decay_groups():
-    """SPEC 7: decay matrices and embeddings, never the hypernetwork (the reference), biases or gains."""
+    """METHOD 7: decay matrices and embeddings, never the hypernetwork (the reference), biases or gains."""
     model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8, d_t=4, time_freqs=4))
     decay, no_decay = train.configure_optimizer(model, train.TrainConfig(), torch.device("cpu")).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
