@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import prepare
 from configurator import UserError
 from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
@@ -134,6 +135,14 @@ def peak_flops(env, given=0.0):
 
 
 # -- data ---------------------------------------------------------------------------------------------
+
+def prepare_data(cfg, env):
+    """The prepared token folder for cfg.dataset; rank 0 prepares it, the others wait."""
+    args = dict(dataset=cfg.dataset, tokenizer=cfg.tokenizer, input_file=cfg.input_file,
+                val_file=cfg.val_file, data_root=cfg.data_root)
+    on_master(env, lambda: prepare.prepare(**args), "prepare the data")
+    return prepare.data_dir_of(cfg.data_root, cfg.dataset, cfg.tokenizer)
+
 
 class Batches:
     """Random (x, y) windows of block_size tokens from a memmapped token file.

@@ -130,7 +130,7 @@ def main(argv):
         if "tokenizer" in given and cfg.tokenizer != tokenizer:
             raise UserError(f"--tokenizer={cfg.tokenizer} differs from the checkpoint's tokenizer ({tokenizer})")
         cfg = train.TrainConfig(**{**asdict(cfg), "tokenizer": tokenizer})
-        data = train.prepare_data(cfg, env)
+        data = common.prepare_data(cfg, env)
         if fcfg.lora:
             lora.add_lora(model, fcfg.lora_rank, fcfg.lora_alpha, fcfg.lora_dropout, fcfg.lora_targets)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

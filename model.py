@@ -357,6 +357,15 @@ def sliding_window_mask(pos, key_pos, window):
     return (offset >= 0) & (offset < window)
 
 
+def cache_mask(pos, L):
+    """(mask (T, L), slots (T,)) for tokens at positions pos, decoded through caches of L slots: the
+    slot of position p is p % L, and a query sees the slots that hold one of the last L positions up
+    to its own (past L, feed one token at a time)."""
+    slots = torch.arange(L, device=pos.device)
+    held = slots + L * torch.div(pos[-1] - slots, L, rounding_mode="floor")  # slot -> position
+    return sliding_window_mask(pos, held, L) & (held >= 0), pos % L
+
+
 def seeded_normal_(rows, std, key, first=0, total=None):
     """Fill `rows`, rows first.. of a parameter of `total` rows, with N(0, std^2) values drawn in
     blocks of whole rows (about 2^20 values), each from a generator seeded by (key, block): a row
@@ -403,7 +412,6 @@ class DiffEqFormer(nn.Module):
         # GPT ties the head to the token embedding (forward uses wte.weight: no tie can break)
         llama = cfg.flavor == "llama"
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False) if llama else None
-        self.kv_caches, self.cached_weights, self.cache_steps = None, None, None  # setup_caches
         self.init_weights()
 
     @torch.no_grad()
@@ -457,17 +465,17 @@ class DiffEqFormer(nn.Module):
 
     # -- the forward pass --------------------------------------------------------------------------
     def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None,
-                input_pos=None, last_only=False):
+                input_pos=None, caches=None, last_only=False):
         """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or
         None.
         offsets (steps,): Euler's times moved back inside their steps (step_weights). weights: an
         ODE's weights at every stage time, as step_weights makes them (train.py makes them once per
-        optimizer step). input_pos (T,): the positions of idx's tokens, decoded through the KV
-        caches of setup_caches. last_only: the logits of the last position only, (B, 1, vocab)."""
+        optimizer step). input_pos (T,) and caches: the positions of idx's tokens, decoded through
+        one KVCache per evaluation of F (sample.py). last_only: the last position's logits only."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
         B, T = idx.size()
-        if T > cfg.block_size and (cfg.flavor == "gpt" or input_pos is not None):
+        if T > cfg.block_size and (cfg.flavor == "gpt" or caches is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
         if last_only and targets is not None:
             raise ValueError("last_only=True computes one position's logits: no loss to targets")
@@ -479,10 +487,14 @@ class DiffEqFormer(nn.Module):
         x = F.dropout(x, dropout, dropout > 0)
         hs = cfg.n_embd // cfg.n_head
         rope = rope_tables(pos, hs, x.dtype) if cfg.flavor == "llama" else None
-        mask = caches = None  # plain causal attention
-        if input_pos is not None:  # decoding: the ODE's weights are those setup_caches generated
-            mask, caches = self.cache_mask(input_pos, steps, solver, T)
-            weights = self.cached_weights
+        mask = None  # plain causal attention
+        if caches is not None:  # decoding: earlier positions' keys and values are in the caches
+            n, L = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer, caches[0].k.size(2)
+            if len(caches) != n or T > L:
+                raise ValueError(f"{T} tokens, {steps} {solver} steps: need {n} KV caches of at "
+                                 f"least {T} positions, got {len(caches)} of {L}")
+            mask, slots = cache_mask(pos, L)
+            caches = [(kv, slots) for kv in caches]
         elif T > cfg.block_size:
             mask = sliding_window_mask(pos, pos, cfg.block_size)
         if offsets is not None:  # any-depth training (METHOD 8.2): Euler's times moved
@@ -590,40 +602,3 @@ class DiffEqFormer(nn.Module):
         out = out.to_empty(device=self.wte.weight.device).to(self.wte.weight.dtype)
         out.load_state_dict(sd)
         return out.train(self.training)
-
-    # -- KV caches for decoding (sample.py) --------------------------------------------------------
-    @torch.no_grad()
-    def setup_caches(self, batch_size, max_len, steps=None, solver=None, dtype=None):
-        """Zeroed KV caches (batch_size, n_head, max_len, head_size), one per evaluation of F (a
-        layer, or a solver stage: each stage is an attention of its own), and an ODE's weights at
-        every stage time, generated here once for a whole generation. The caches take the autocast
-        dtype when autocast is on (call this inside it), else the parameters' dtype."""
-        cfg = self.cfg
-        steps, solver = self.check_steps(steps, solver)
-        if not 1 <= max_len <= cfg.block_size:
-            raise ValueError(f"max_len={max_len} must be in 1..block_size={cfg.block_size}")
-        device = self.wte.weight.device
-        if dtype is None:
-            autocast = torch.is_autocast_enabled(device.type)
-            dtype = torch.get_autocast_dtype(device.type) if autocast else self.wte.weight.dtype
-        evaluations = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
-        hs = cfg.n_embd // cfg.n_head
-        self.kv_caches = nn.ModuleList(KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
-                                       for _ in range(evaluations))
-        self.cached_weights = self.step_weights(steps, solver) if cfg.is_ode else None
-        self.cache_steps = (steps, solver)
-
-    def cache_mask(self, pos, steps, solver, T):
-        """(mask (T, max_len), [(cache, slots (T,)) per evaluation]) for tokens at positions pos:
-        the slot of position p is p % max_len, and a query sees the slots that hold one of the last
-        max_len positions up to its own (past max_len, feed one token at a time)."""
-        if self.kv_caches is None or self.cache_steps != (steps, solver):
-            raise ValueError(f"decoding with steps={steps}, solver={solver!r} needs setup_caches("
-                             f"batch_size, max_len, steps={steps}, solver={solver!r}) first")
-        L = self.kv_caches[0].k.size(2)
-        if T > L:
-            raise ValueError(f"{T} tokens do not fit in KV caches of {L} positions")
-        slots = torch.arange(L, device=pos.device)
-        held = slots + L * torch.div(pos[-1] - slots, L, rounding_mode="floor")  # slot -> position
-        mask = sliding_window_mask(pos, held, L) & (held >= 0)
-        return mask, [(kv, pos % L) for kv in self.kv_caches]

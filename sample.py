@@ -8,10 +8,10 @@ Sample from a trained model: any checkpoint this project writes, decoded with st
     python sample.py --init_from=out-finetune/adapters.pt     # LoRA adapters, on their base checkpoint
     python sample.py --init_from=out-finetune/merged.pt --compile
 
-Generation is gpt-fast's generate.py: `prefill` runs the prompt through the model once and fills the
-KV caches (one per evaluation of F: per layer, or per solver stage of every step), then
-`decode_one_token` runs one position through every layer per new token; an ODE's weights are
-generated once per generation (model.setup_caches). `--compile` compiles that one-token step. What
+Generation is gpt-fast's generate.py: `setup_caches` makes static KV caches, one per evaluation of F
+(a layer, or a solver stage of a step), and an ODE's weights, once per generation; `prefill` runs
+the prompt through the model once, filling the caches; `decode_one_token` runs one position through
+every layer per new token. `--compile` compiles that one-token step. What
 only an ODE can do: `--steps` and `--solver` change a DiffEqFormer's (or weight sharing's)
 computation per call. The samples go to stdout, one line of statistics to stderr.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import common
 import prepare
 from configurator import UserError, parse_config, run_main
-from model import SOLVERS
+from model import SOLVERS, KVCache
 
 
 @dataclass
@@ -77,17 +77,38 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
-def prefill(model, idx, steps=None, solver=None):
+@torch.no_grad()
+def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
+    """The decoding state: zeroed KV caches (batch_size, n_head, max_len, head_size), one per
+    evaluation of F (each solver stage is an attention of its own), and an ODE's block weights at
+    every stage time, generated once for the whole generation. The caches take the autocast dtype
+    when autocast is on (call this inside it), else the parameters' dtype."""
+    cfg, device = model.cfg, model.wte.weight.device
+    if not 1 <= max_len <= cfg.block_size:
+        raise ValueError(f"max_len={max_len} must be in 1..block_size={cfg.block_size}")
+    if dtype is None:
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
+    evaluations = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
+    hs = cfg.n_embd // cfg.n_head
+    caches = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype) for _ in range(evaluations)]
+    weights = model.step_weights(steps, solver) if cfg.is_ode else None
+    return dict(caches=caches, weights=weights, steps=steps, solver=solver)
+
+
+def prefill(model, idx, state):
     """The next-token logits (B, vocab) after idx (B, T), its tokens at positions 0..T-1, in one pass
     that fills the KV caches."""
     pos = torch.arange(idx.size(1), device=idx.device)
-    return model(idx, steps=steps, solver=solver, input_pos=pos, last_only=True)[0][:, -1]
+    return decode_one_token(model, idx, pos, state)
 
 
-def decode_one_token(model, idx, input_pos, steps=None, solver=None):
+def decode_one_token(model, idx, input_pos, state):
     """The next-token logits (B, vocab) after idx (B, 1) at position input_pos (1,), through the KV
     caches: the step that generate repeats and `torch.compile(..., fullgraph=True)` compiles."""
-    return model(idx, steps=steps, solver=solver, input_pos=input_pos, last_only=True)[0][:, -1]
+    logits, _ = model(idx, steps=state["steps"], solver=state["solver"], weights=state["weights"],
+                      input_pos=input_pos, caches=state["caches"], last_only=True)
+    return logits[:, -1]
 
 
 @torch.no_grad()
@@ -102,15 +123,14 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
         raise ValueError("generate needs a prompt of at least one token")
     steps, solver = model.check_steps(steps, solver)
     L = min(T + max_new_tokens, model.cfg.block_size)
-    model.setup_caches(B, L, steps, solver)
+    state = setup_caches(model, B, L, steps, solver)
     rope = model.cfg.flavor == "llama"
     if rope:  # the first L tokens at once, then one by one into the sliding window
-        logits = prefill(model, idx[:, :L], steps, solver)
+        logits = prefill(model, idx[:, :L], state)
         for p in range(L, T):
-            logits = decode(model, idx[:, p:p + 1].contiguous(), torch.tensor([p], device=idx.device),
-                            steps, solver)
+            logits = decode(model, idx[:, p:p + 1].contiguous(), torch.tensor([p], device=idx.device), state)
     else:
-        logits = prefill(model, idx[:, -L:], steps, solver)
+        logits = prefill(model, idx[:, -L:], state)
     for i in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
         idx = torch.cat((idx, token), dim=1)
@@ -118,9 +138,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
         if i == max_new_tokens - 1:
             break
         if rope or p < L:
-            logits = decode(model, token, torch.tensor([p], device=idx.device), steps, solver)
+            logits = decode(model, token, torch.tensor([p], device=idx.device), state)
         else:  # learned positions, context full: the window of the last L tokens, again
-            logits = prefill(model, idx[:, -L:], steps, solver)
+            logits = prefill(model, idx[:, -L:], state)
     return idx
 
 

@@ -7,15 +7,14 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     python train.py config/llama1b.py --dry_run --gpus=8           # the memory plan, without a GPU
     python train.py --convert=out-llama1b/ckpt_sharded             # -> out-llama1b/ckpt.pt
 
-nanoGPT's loop, in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main), as
-functions that finetune.py reuses: gradient accumulation, bf16 autocast on CUDA, optional
-torch.compile, AdamW with warm-up and cosine decay (METHOD 7), periodic evaluation, a tqdm bar with
-loss, tokens/s and MFU, a JSONL log and a loss-curve PNG, atomic checkpoints and an exact
-`--init_from=resume`. What only the ODE needs: its weights are generated once per optimizer step
-(train_step, METHOD 8), and any-depth training draws the step count per iteration. Batches come
-from RNGs seeded by (seed, iteration, micro-step, rank) and dropout masks from one seeded by (seed,
-iteration, rank), so the iteration number is the whole data position and RNG state of a run.
-Parallelism (DDP, FSDP2), the memory plan and sharded checkpoints are in scale/, one call each.
+nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main), as
+functions that finetune.py reuses: gradient accumulation, bf16 autocast on CUDA, torch.compile,
+AdamW with warm-up and cosine decay (METHOD 7), evaluation, a tqdm bar with loss, tokens/s and MFU,
+a JSONL log and a loss curve, atomic checkpoints and an exact `--init_from=resume`. What only the
+ODE needs: its weights once per optimizer step (train_step, METHOD 8.1), and any-depth training's
+step counts drawn per iteration (METHOD 8.2). Batches and dropout masks come from RNGs seeded by
+the iteration, so the iteration number is a run's whole data position and RNG state. Parallelism,
+the memory plan and sharded checkpoints are in scale/, one call each.
 """
 import dataclasses
 import importlib.util
@@ -313,14 +312,6 @@ def check_launch(cfg, mcfg):
     return cfg
 
 
-def prepare_data(cfg, env):
-    """The prepared token folder for cfg.dataset; rank 0 prepares it, the others wait."""
-    args = dict(dataset=cfg.dataset, tokenizer=cfg.tokenizer, input_file=cfg.input_file,
-                val_file=cfg.val_file, data_root=cfg.data_root)
-    common.on_master(env, lambda: prepare.prepare(**args), "prepare the data")
-    return prepare.data_dir_of(cfg.data_root, cfg.dataset, cfg.tokenizer)
-
-
 def model_config_for(mcfg, cfg, env, given, data):
     """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape
     when resuming or starting from one (the command line cannot change a trained model's shape),
@@ -382,7 +373,7 @@ def main(argv):
     lock = None
     try:
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
-        data = prepare_data(cfg, env)
+        data = common.prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
         check_launch(cfg, mcfg)  # again: the model type may come from a checkpoint
         memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does

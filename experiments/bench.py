@@ -314,7 +314,7 @@ def run_rows(mcfg, cfg, env, table):
         # ODE against GPT: a 5% question, so three times the rounds (cached decoding is the quick part)
         steps = {"eager": None, "compiled step": "compiled"} if cfg.compile else {"eager": None}
         for mode, compiled in steps.items():
-            fns = {k: decode_cached(models[k], prompt, n, env, torch.compile(models[k].decode, fullgraph=True) if compiled else None)
+            fns = {k: decode_cached(models[k], prompt, n, env, torch.compile(sample.decode_one_token, fullgraph=True) if compiled else None)
                    for k in ("GPT", "ODE")}
             label = f"decode {n} tokens after {P}, KV cache, {mode} ({3 * cfg.pairs} rounds):"
             t = timed(label, fns, n, {k: flops[f"{k}, KV cache"] for k in fns}, compiled=bool(compiled), rounds=3 * cfg.pairs)

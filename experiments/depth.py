@@ -69,7 +69,7 @@ def main(argv):
     model, ckpt = load_ode(cfg.init_from, env.device)
     known = {k: v for k, v in ckpt.get("train_config", {}).items() if k in train.TrainConfig.__dataclass_fields__}
     tcfg = train.TrainConfig(**{**known, "eval_iters": cfg.eval_iters, "batch_size": cfg.batch_size, "seed": cfg.seed})
-    data = train.prepare_data(tcfg, env)  # the validation text the checkpoint was trained against
+    data = common.prepare_data(tcfg, env)  # the validation text the checkpoint was trained against
     val = common.Batches(prepare.load_tokens(data, "val"), model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
     results = []
     points = [(solver, n) for solver in cfg.solver_names() for n in cfg.step_counts()]

@@ -74,11 +74,11 @@ def test_cached_logits_equal_recomputed_logits_at_every_position(model_type, fla
     solver = solver if model.cfg.is_ode else None
     n = 2 * BLOCK if flavor == "llama" else BLOCK
     idx = prompt(n)
-    model.setup_caches(2, BLOCK, steps, solver)
-    logits = model(idx[:, :4], steps=steps, solver=solver, input_pos=torch.arange(4), last_only=True)[0][:, -1]
+    state = sample.setup_caches(model, 2, BLOCK, *model.check_steps(steps, solver))
+    logits = sample.prefill(model, idx[:, :4], state)
     assert (logits - recomputed_logits(model, idx[:, :4], steps, solver)).abs().max() < 1e-10
     for p in range(4, n):
-        logits = sample.decode_one_token(model, idx[:, p:p + 1], torch.tensor([p]), steps, solver)
+        logits = sample.decode_one_token(model, idx[:, p:p + 1], torch.tensor([p]), state)
         assert (logits - recomputed_logits(model, idx[:, :p + 1], steps, solver)).abs().max() < 1e-10, f"position {p}"
 
 
@@ -118,11 +118,11 @@ def test_last_only_is_the_last_row_of_the_logits():
 
 def test_decoding_needs_caches_set_up_for_its_steps():
     model = random_model()
-    model.setup_caches(1, 8, steps=3)
-    with pytest.raises(ValueError, match=r"needs setup_caches\(batch_size, max_len, steps=4"):
-        model(prompt(1, B=1), steps=4, input_pos=torch.tensor([0]))
-    with pytest.raises(ValueError, match="do not fit in KV caches of 8 positions"):
-        model(prompt(9, B=1), steps=3, input_pos=torch.arange(9))
+    state = sample.setup_caches(model, 1, 8, 3, "euler")
+    with pytest.raises(ValueError, match="4 euler steps: need 4 KV caches of at least 1 positions, got 3"):
+        model(prompt(1, B=1), steps=4, input_pos=torch.tensor([0]), caches=state["caches"])
+    with pytest.raises(ValueError, match="need 3 KV caches of at least 9 positions, got 3 of 8"):
+        model(prompt(9, B=1), steps=3, input_pos=torch.arange(9), caches=state["caches"])
 
 
 def test_compiled_decode_step_matches_eager_without_graph_breaks_or_recompiles():
