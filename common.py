@@ -283,26 +283,41 @@ def lock(out_dir):
     f.write(f"pid {os.getpid()}")
     f.flush()
     for name in os.listdir(out_dir):
-        if re.search(r"\.tmp\d*$", name):  # what save() and train.trim_log write before renaming
+        if re.search(r"\.tmp\d*$", name):  # what save() and RunLog write before renaming
             os.remove(os.path.join(out_dir, name))
     return f
 
 
-def trim_log(log_path, start_iter):
-    """A fresh run starts a new log; a resumed one keeps only the rows up to its checkpoint (the
-    evaluation at start_iter, not the training rows a killed run wrote after it)."""
-    if not os.path.exists(log_path):
-        return
-    if start_iter == 0:
-        os.remove(log_path)
-        return
-    with open(log_path) as f:
-        rows = [line for line in f if line.strip()]
-    kept = [line for line in rows if (r := json.loads(line))["iter"] < start_iter
-            or (r["iter"] == start_iter and "val_loss" in r)]
-    with open(log_path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(log_path + ".tmp", log_path)
+class RunLog:
+    """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0 and mirrored to
+    wandb when asked. A fresh run starts a new file; a resumed one keeps the rows up to its
+    checkpoint (the evaluation at start_iter, not the training rows a killed run wrote after it)."""
+
+    def __init__(self, out_dir, start_iter, master, wandb_project=None, wandb_config=None):
+        self.path, self.master, self.wandb = os.path.join(out_dir, "log.jsonl"), master, None
+        if master and os.path.exists(self.path):
+            with open(self.path) as f:
+                rows = [line for line in f if line.strip() and start_iter > 0]
+            kept = [line for line in rows if (r := json.loads(line))["iter"] < start_iter
+                    or (r["iter"] == start_iter and "val_loss" in r)]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+        if master and wandb_project:
+            import wandb
+            wandb.init(project=wandb_project, config=wandb_config)
+            self.wandb = wandb
+
+    def __call__(self, row):
+        if self.master:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.wandb:
+                self.wandb.log(row, step=row["iter"])
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
 
 
 # -- what a model costs ------------------------------------------------------------------------------

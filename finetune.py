@@ -24,7 +24,6 @@ import lora
 import train
 from configurator import ConfigError, UserError, parse_config, run_main
 from model import DiffEqFormer, ModelConfig
-from scale import checkpoint, parallel
 
 DEFAULT_CONFIG = "config/finetune_wikitext2.py"
 
@@ -116,7 +115,7 @@ def main(argv):
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         run = None
         if cfg.init_from == "resume":  # continue the fine-tuning run in out_dir: its base, steps and LoRA settings
-            run = checkpoint.load_run(cfg, env, kind=(common.LORA_RUN, common.MODEL))
+            run = train.load_run(cfg, env, kind=(common.LORA_RUN, common.MODEL))
             if "finetune_config" not in run:
                 raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: resume it with train.py")
             fcfg = FinetuneConfig(**run["finetune_config"])
@@ -142,14 +141,8 @@ def main(argv):
                      data=data, tokenizer=tokenizer, base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256)
         if fcfg.lora:
             extra["kind"] = common.LORA_RUN
-        wrapped = parallel.build(model, cfg, env)
-        optimizer = train.configure_optimizer(model, cfg, env.device)
-        start, best = 0, float("inf")
-        if run:
-            checkpoint.restore_run(wrapped, optimizer, run, cfg, env)
-            start, best = run["iter_num"], run["best_val_loss"]
-            env.print(f"resumed the fine-tuning run from iteration {start}")
-        train.fit(wrapped, cfg, env, data, extra, start, best, optimizer)
+        wrapped, optimizer, start, best = train.setup_run(model, cfg, env, run)
+        train.fit(wrapped, optimizer, cfg, env, data, extra, start, best)
         if env.master:
             save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable)
     finally:

@@ -1,24 +1,22 @@
 """
 Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
 
-    python train.py                                   # small DiffEqFormer, tiny Shakespeare, CPU, ~4 min
+    python train.py                                         # DiffEqFormer, tiny Shakespeare, ~4 min
     python train.py config/owt_gpt_small.py --model_type=baseline
-    torchrun --nproc_per_node=8 train.py config/llama1b.py        # FSDP2: the config sets parallel="fsdp"
-    python train.py config/llama1b.py --dry_run --gpus=8           # the memory plan, without a GPU
-    python train.py --convert=out-llama1b/ckpt_sharded             # -> out-llama1b/ckpt.pt
+    torchrun --nproc_per_node=8 train.py config/llama1b.py  # FSDP2: the config sets parallel="fsdp"
+    python train.py config/llama1b.py --dry_run --gpus=8    # the memory plan, without a GPU
+    python train.py --convert=out-llama1b/ckpt_sharded      # -> out-llama1b/ckpt.pt
 
-nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main), as
-functions that finetune.py reuses: gradient accumulation, bf16 autocast on CUDA, torch.compile,
-AdamW with warm-up and cosine decay (METHOD 7), evaluation, a tqdm bar with loss, tokens/s and MFU,
-a JSONL log and a loss curve, atomic checkpoints and an exact `--init_from=resume`. What only the
-ODE needs: its weights once per optimizer step (train_step, METHOD 8.1), and any-depth training's
-step counts drawn per iteration (METHOD 8.2). Batches and dropout masks come from RNGs seeded by
-the iteration, so the iteration number is a run's whole data position and RNG state. Parallelism,
-the memory plan and sharded checkpoints are in scale/, one call each.
+nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main):
+gradient accumulation, bf16 autocast on CUDA, torch.compile, AdamW with warm-up and cosine decay
+(METHOD 7), a tqdm bar with loss, tokens/s and MFU, a JSONL log, atomic checkpoints, an exact
+`--init_from=resume`. What only the ODE needs: its weights once per optimizer step (train_step,
+METHOD 8.1), and step counts drawn per iteration for any depth (METHOD 8.2). Batches and dropout
+masks come from RNGs seeded by the iteration, the whole data position and RNG state of a run.
+Parallelism, the memory plan and sharded checkpoints are in scale/, one call each.
 """
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import time
@@ -35,18 +33,18 @@ import prepare
 from configurator import ConfigError, UserError, parse_config, run_main
 from model import MAX_STEPS, DiffEqFormer, ModelConfig, unbind_times
 from scale import checkpoint, memory, parallel
+from scale.checkpoint import load_run  # noqa: F401 (finetune.py resumes with it)
 from scale.weightgen import WeightGenerator
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
 EVAL_ITERATION = 2 ** 31  # every evaluation reads the batches of this (never trained) iteration
-RUNTIME_KEYS = ("dropout", "checkpoint", "solver")  # model settings that may differ from a checkpoint's
 
 
 @dataclass
 class TrainConfig:
     # output and resuming
     out_dir: str = "out"
-    init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint file to start from
+    init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint to start from
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
@@ -76,16 +74,16 @@ class TrainConfig:
     compile: bool = False
     seed: int = 1337
     parallel: str = "ddp"  # under torchrun: "ddp" (replicated) or "fsdp" (FSDP2, sharded)
-    generate_once: bool = True  # diffeq: the weights W(t) once per optimizer step, not per micro-step
+    generate_once: bool = True  # diffeq: W(t) once per optimizer step, not in every micro-step
     dry_run: bool = False  # build on the meta device, print the plan and memory per GPU, and stop
     gpus: int = 0  # processes to plan for in a dry run (0: the torchrun world size)
     gpu_memory_gb: float = 80.0  # memory per GPU that a dry run plans against
-    stop_at: int = 0  # checkpoint and stop after this iteration, schedule unchanged (0: run to the end)
+    stop_at: int = 0  # checkpoint and stop after this iteration, schedule unchanged (0: to the end)
     # any-depth training of an ODE (METHOD 8): the step count and times drawn per iteration
-    train_steps: str = ""  # ODE step counts to train with, a range "3-9" drawn per iteration ("": n_layer)
-    time_jitter: bool = False  # train each Euler step at a random time within the step, not at its end
+    train_steps: str = ""  # ODE step counts, a range "3-9" drawn per iteration ("": n_layer)
+    time_jitter: bool = False  # each Euler step at a random time within the step, not at its end
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU (0: a known GPU's, else measured)
-    convert: str = ""  # a sharded checkpoint folder: write the single-file ckpt.pt beside it, and stop
+    convert: str = ""  # a sharded checkpoint folder: write the one-file ckpt.pt beside it, and stop
 
     def __post_init__(self):
         if self.train_steps:
@@ -98,7 +96,7 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
 
 
-# -- optimizer, schedule, cost ------------------------------------------------------------------------
+# -- optimizer and schedule ------------------------------------------------------------------------
 
 def configure_optimizer(model, cfg, device):
     """AdamW (METHOD 7); weight decay on matrices and embeddings, never on the hypernetwork (as the
@@ -108,8 +106,8 @@ def configure_optimizer(model, cfg, device):
     groups = [dict(params=[p for n, p in params if decays[n]], weight_decay=cfg.weight_decay),
               dict(params=[p for n, p in params if not decays[n]], weight_decay=0.0)]
     # fused: one kernel over all parameters, on CUDA and on CPU (~20% of an ODE step faster on CPU)
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=device.type in ("cuda", "cpu"))
+    betas, fused = (cfg.beta1, cfg.beta2), device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.eps, fused=fused)
 
 
 def learning_rate(it, cfg):
@@ -122,19 +120,20 @@ def learning_rate(it, cfg):
     return low + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - low)
 
 
-# -- the any-depth options (METHOD 8) ------------------------------------------------------------------
+# -- the any-depth options (METHOD 8.2) ------------------------------------------------------------
 
 def step_range(text):
     """"3-9" -> (3, 9), "6" -> (6, 6): the train_steps option."""
     lo, _, hi = text.partition("-")
     if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo) <= MAX_STEPS):
-        raise ValueError(f"train_steps={text!r}: use a step count or a range like 3-9 within 1..{MAX_STEPS}")
+        raise ValueError(f"train_steps={text!r}: use a step count or a range like 3-9 within "
+                         f"1..{MAX_STEPS}")
     return int(lo), int(hi or lo)
 
 
 def iteration_steps(it, cfg, mcfg):
-    """The ODE step count and Euler time offsets of iteration `it`: n_layer and None, or drawn from an
-    RNG seeded by (seed, iteration), the same on every rank and again when a run resumes."""
+    """The ODE step count and Euler time offsets of iteration `it`: n_layer and None, or drawn from
+    an RNG seeded by (seed, iteration), the same on every rank and again when a run resumes."""
     if not cfg.train_steps and not cfg.time_jitter:
         return mcfg.n_layer, None
     rng = np.random.default_rng([cfg.seed, it, 11])
@@ -143,20 +142,19 @@ def iteration_steps(it, cfg, mcfg):
     return steps, (torch.from_numpy(rng.random(steps)) if cfg.time_jitter else None)
 
 
-# -- evaluation and the training step ----------------------------------------------------------------
+# -- evaluation and the training step -------------------------------------------------------------
 
 @torch.no_grad()
 def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
     """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation),
     divided among the processes; the ODE's weights generated once for the whole evaluation. Every
-    process runs the same number of forward passes (FSDP's collectives must pair up); the passes past
-    eval_iters count with weight 0."""
+    process runs the same number of forward passes (FSDP's collectives must pair up); the passes
+    past eval_iters count with weight 0."""
     model.eval()
     raw = parallel.unwrap(model)
     weights = None
     if gen is not None:  # a sharded hypernetwork (scale/weightgen.py)
-        gen.generate(steps, solver, grad=False)
-        weights = gen.weights()
+        weights = gen.generate(steps, solver, grad=False)
     elif raw.cfg.model_type == "diffeq" and not parallel.sharded(cfg, env):
         weights = raw.step_weights(*raw.check_steps(steps, solver))
     out = {}
@@ -167,7 +165,8 @@ def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
             x, y = data.get(EVAL_ITERATION, i % cfg.eval_iters)
             with env.autocast():
                 _, loss = model(x, y, steps=steps, solver=solver, weights=weights)
-            total += float(i < cfg.eval_iters) * torch.stack((loss.float(), torch.ones_like(loss.float())))
+            loss = loss.float()
+            total += float(i < cfg.eval_iters) * torch.stack((loss, torch.ones_like(loss)))
         if env.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
@@ -179,8 +178,8 @@ def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
 
 def train_step(model, optimizer, batches, it, cfg, env, gen=None):
     """One optimizer step over this process's micro-steps; returns its mean loss (a tensor) and the
-    ODE step count it trained with. Dropout masks come from an RNG seeded by (seed, iteration, rank),
-    so that a resumed run repeats them."""
+    ODE step count it trained with. Dropout masks come from an RNG seeded by (seed, iteration,
+    rank), so that a resumed run repeats them."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
     steps, offsets = iteration_steps(it, cfg, raw.cfg)
@@ -188,7 +187,7 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
     W = leaves = None
     if gen is not None:  # a sharded hypernetwork: the same, process by process (scale/weightgen.py)
         gen.generate(steps, offsets=offsets)
-    elif parallel.generates_once(raw, cfg):  # the ODE's weights once per optimizer step (METHOD 8.1):
+    elif parallel.generates_once(raw, cfg):  # the ODE's weights once per step (METHOD 8.1):
         W = raw.hyper(raw.times(steps, raw.cfg.solver, offsets))  # one hypernetwork call, all times
         leaves = {name: [None if w is None else w.detach().requires_grad_() for w in pair]
                   for name, pair in W.items()}  # detached: each collects dL/dW over the micro-steps
@@ -198,14 +197,16 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
         weights = unbind_times(leaves) if leaves else gen.weights() if gen else None
         with parallel.sync(model, micro == accum - 1, cfg, env):
             with env.autocast():
-                _, loss = model(x, y, steps=steps, offsets=None if weights else offsets, weights=weights)
+                offsets_ = None if weights else offsets  # generated with the weights, or in forward
+                _, loss = model(x, y, steps=steps, offsets=offsets_, weights=weights)
             (loss / accum).backward()
         total += loss.detach() / accum
-    if leaves:  # dL/dW of all micro-steps, averaged over the processes, into the hypernetwork at once
-        pairs = [(w, leaf.grad) for name in W for w, leaf in zip(W[name], leaves[name]) if w is not None]
-        for _, grad in pairs if env.distributed else ():
-            dist.all_reduce(grad)
-            grad.div_(env.world_size)
+    if leaves:  # dL/dW of every micro-step, averaged over the processes, into the hypernetwork
+        pairs = [(w, leaf.grad) for n in W for w, leaf in zip(W[n], leaves[n]) if w is not None]
+        if env.distributed:  # every process pulls back the same dL/dW, averaged over them
+            for _, grad in pairs:
+                dist.all_reduce(grad)
+                grad.div_(env.world_size)
         torch.autograd.backward(*zip(*pairs))
     elif gen is not None:
         gen.backward()
@@ -216,37 +217,24 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
     return total, steps
 
 
-# -- the loop -----------------------------------------------------------------------------------------
+# -- the loop --------------------------------------------------------------------------------------
 
-def fit(model, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf"), optimizer=None):
+def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf")):
     """The training loop. `extra` is stored in every checkpoint (configs, data description). Returns
     the evaluation history."""
     raw = parallel.unwrap(model)
     mcfg = raw.cfg
-    optimizer = optimizer or configure_optimizer(raw, cfg, env.device)
-    gen = WeightGenerator(raw, env.dtype) if parallel.sharded(cfg, env) and parallel.generates_once(raw, cfg) else None
-    batches = {split: common.Batches(prepare.load_tokens(data, split), mcfg.block_size, cfg.batch_size,
-                                     env.device, cfg.seed, i) for i, split in enumerate(("train", "val"))}
-    tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
-    hyper_params = sum(p.numel() for p in raw.hyper.parameters()) if mcfg.model_type == "diffeq" else 0
     once = parallel.generates_once(raw, cfg)
+    gen = WeightGenerator(raw, env.dtype) if once and parallel.sharded(cfg, env) else None
+    batches = {split: common.Batches(prepare.load_tokens(data, split), mcfg.block_size,
+                                     cfg.batch_size, env.device, cfg.seed, i)
+               for i, split in enumerate(("train", "val"))}
+    tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
+    hyper_params = sum(p.numel() for n, p in raw.named_parameters() if n.startswith("hyper."))
     per_generation = tokens_per_iter // env.world_size if once else cfg.batch_size * mcfg.block_size
     peak = common.peak_flops(env, cfg.peak_flops) * env.world_size
-    log_path = os.path.join(cfg.out_dir, "log.jsonl")
-    if env.master:
-        common.trim_log(log_path, start_iter)
-    wandb = None
-    if cfg.wandb and env.master:
-        import wandb
-        wandb.init(project=cfg.wandb_project, config={**asdict(cfg), **mcfg.to_dict()})
-
-    def log(row):
-        if env.master:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if wandb:
-                wandb.log(row, step=row["iter"])
-
+    log = common.RunLog(cfg.out_dir, start_iter, env.master, cfg.wandb and cfg.wandb_project,
+                        {**asdict(cfg), **mcfg.to_dict()})
     history = []
     model.train()
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
@@ -254,7 +242,7 @@ def fit(model, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf"), 
                disable=not env.master, dynamic_ncols=True, desc="train")
     for it in bar:
         evaluating = it % cfg.eval_interval == 0 or it == end
-        if evaluating and (it > start_iter or start_iter == 0):  # a resumed run evaluated it already
+        if evaluating and (it > start_iter or start_iter == 0):  # a resumed run has evaluated it
             losses = evaluate(model, batches, cfg, env, gen=gen)
             row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"],
                        val_ppl=math.exp(min(losses["val"], 50)))
@@ -265,9 +253,10 @@ def fit(model, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf"), 
                           f"{row['val_loss']:.4f}, val perplexity {row['val_ppl']:.2f}")
             best_val_loss = min(best_val_loss, losses["val"])
         if evaluating and it > start_iter:
-            checkpoint.save_run(model, optimizer, dict(iter_num=it, best_val_loss=best_val_loss), cfg, env, extra)
+            state = dict(iter_num=it, best_val_loss=best_val_loss)
+            checkpoint.save_run(model, optimizer, state, cfg, env, extra)
             if env.master:
-                plots.loss_curve(log_path, os.path.join(cfg.out_dir, "loss.png"))
+                plots.loss_curve(log.path, os.path.join(cfg.out_dir, "loss.png"))
         if it == end:
             break
         t0 = time.perf_counter()
@@ -281,17 +270,17 @@ def fit(model, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf"), 
         total = total.item()
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
-        mfu = common.flops_per_token(mcfg, hyper_params, per_generation, steps) * tokens_per_iter / dt / peak
-        bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.1e}")
+        mfu = common.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s / peak
+        bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%",
+                        lr=f"{lr:.1e}")
         if it % cfg.log_interval == 0:
             log(dict(iter=it, loss=total, lr=lr, tok_s=tok_s, mfu=mfu))
     bar.close()
-    if wandb:
-        wandb.finish()
+    log.close()
     return history
 
 
-# -- the script ---------------------------------------------------------------------------------------
+# -- the script ------------------------------------------------------------------------------------
 
 def check_launch(cfg, mcfg):
     """What the config alone decides, checked before any data, model or process group is touched.
@@ -300,16 +289,31 @@ def check_launch(cfg, mcfg):
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb needs the wandb package: pip install wandb")
     if (cfg.train_steps or cfg.time_jitter) and not mcfg.is_ode:
-        raise ConfigError(f"--train_steps and --time_jitter train an ODE; a {mcfg.model_type} model "
-                          f"has fixed layers")
+        raise ConfigError(f"--train_steps and --time_jitter train an ODE; a {mcfg.model_type} "
+                          f"model has fixed layers")
     accum = cfg.gradient_accumulation_steps
     if accum % world:
         rounded = accum + (-accum) % world
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"gradient_accumulation_steps={accum} rounded up to {rounded}, a multiple of the {world} "
-                  f"processes (micro-steps per iteration over all processes together)")
+            print(f"gradient_accumulation_steps={accum} rounded up to {rounded}, a multiple of the "
+                  f"{world} processes (micro-steps per iteration over all processes together)")
         cfg = dataclasses.replace(cfg, gradient_accumulation_steps=rounded)
     return cfg
+
+
+def setup_run(model, cfg, env, ckpt=None):
+    """(the model built for the run, its optimizer, the iteration and best validation loss it starts
+    from): a resumed run's state (ckpt from load_run), or the weights it starts from."""
+    model = parallel.build(model, cfg, env)
+    optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
+    if cfg.init_from == "resume":
+        checkpoint.restore_run(model, optimizer, ckpt, cfg, env)
+        env.print(f"resumed from iteration {ckpt['iter_num']}")
+        return model, optimizer, ckpt["iter_num"], ckpt["best_val_loss"]
+    if ckpt is not None:
+        checkpoint.load_weights(model, ckpt, cfg, env)
+        env.print(f"starting from the weights of {cfg.init_from}")
+    return model, optimizer, 0, float("inf")
 
 
 def model_config_for(mcfg, cfg, env, given, data):
@@ -323,16 +327,18 @@ def model_config_for(mcfg, cfg, env, given, data):
         if mcfg.vocab_size < vocab:
             raise UserError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab}")
         return mcfg, None
-    ckpt = checkpoint.load_run(cfg, env) if cfg.init_from == "resume" else common.load(cfg.init_from)
-    runtime_keys = {k: getattr(mcfg, k) for k in RUNTIME_KEYS if k in given}  # may differ from the run's
-    saved = ModelConfig(**{**ckpt["model_config"], **runtime_keys})
+    resume = cfg.init_from == "resume"
+    ckpt = checkpoint.load_run(cfg, env) if resume else common.load(cfg.init_from)
+    changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}
+    saved = ModelConfig(**{**ckpt["model_config"], **changes})  # a run may change only these
     if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
         raise UserError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary "
                         f"{saved.vocab_size}); the data is {cfg.tokenizer} tokens: use "
                         f"--tokenizer={ckpt.get('tokenizer')}")
-    ignored = sorted(k for k in given if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k))
+    ignored = [f"--{k}" for k in sorted(given)
+               if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k)]
     if ignored:
-        env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join('--' + k for k in ignored)}")
+        env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join(ignored)}")
     return saved, ckpt
 
 
@@ -342,32 +348,31 @@ def summary(model, cfg, env, data):
     depth = f"{m.n_layer} {m.solver} steps" if m.is_ode else f"{m.n_layer} layers"
     hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
     tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
-    procs = f"{env.world_size} process{'es' * (env.world_size > 1)}"
+    system = [f"{env.world_size} process" + "es" * (env.world_size > 1)]
+    system += [cfg.parallel] * env.distributed + ["compiled"] * cfg.compile
+    system += ["activation checkpointing"] * m.checkpoint
     return "\n".join([
-        f"model     {m.model_type} ({m.flavor} flavour), {model.num_params() / 1e6:,.2f}M parameters: "
-        f"{depth}, width {m.n_embd}, {m.n_head} heads, context {m.block_size}{hyper}, dropout {m.dropout}",
+        f"model     {m.model_type} ({m.flavor} flavour), {model.num_params() / 1e6:,.2f}M "
+        f"parameters: {depth}, width {m.n_embd}, {m.n_head} heads, context {m.block_size}{hyper}, "
+        f"dropout {m.dropout}",
         f"data      {data}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
         f"({meta['tokenizer']}, vocabulary {meta['vocab_size']:,})",
-        f"training  {cfg.max_iters:,} iterations of {tokens:,} tokens ({cfg.batch_size} sequences x "
-        f"{cfg.gradient_accumulation_steps} micro-steps), AdamW lr {cfg.learning_rate:g} -> "
-        f"{cfg.min_lr_ratio * cfg.learning_rate:g}, betas ({cfg.beta1}, {cfg.beta2}), weight decay "
-        f"{cfg.weight_decay:g}",
-        f"system    {env.device} {str(env.dtype).removeprefix('torch.')}, {procs}"
-        f"{' (' + cfg.parallel + ')' if env.distributed else ''}{', compiled' if cfg.compile else ''}"
-        f"{', activation checkpointing' if m.checkpoint else ''}; writing to {cfg.out_dir}/",
-    ])
+        f"training  {cfg.max_iters:,} iterations of {tokens:,} tokens ({cfg.batch_size} sequences "
+        f"x {cfg.gradient_accumulation_steps} micro-steps), AdamW lr {cfg.learning_rate:g} -> "
+        f"{cfg.min_lr_ratio * cfg.learning_rate:g}, betas ({cfg.beta1}, {cfg.beta2}), weight "
+        f"decay {cfg.weight_decay:g}",
+        f"system    {env.device} {str(env.dtype).removeprefix('torch.')}, {', '.join(system)}; "
+        f"writing to {cfg.out_dir}/"])
 
 
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
-    if cfg.dry_run:  # reads no data: a byte model's vocabulary is known, a tiktoken one's is GPT-2's
+    if cfg.dry_run:  # reads no data: a byte model's vocabulary is known, a tiktoken one is GPT-2's
         if cfg.tokenizer == "byte" and "vocab_size" not in given:
             mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})
         return memory.dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    if cfg.convert:
-        dst = os.path.join(os.path.dirname(os.path.abspath(cfg.convert)), "ckpt.pt")
-        checkpoint.convert_sharded(cfg.convert, dst)
-        return print(f"wrote {dst}")
+    if cfg.convert:  # a sharded folder -> ckpt.pt beside it
+        return checkpoint.convert_sharded(cfg.convert)
     cfg = check_launch(cfg, mcfg)
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None
@@ -377,24 +382,13 @@ def main(argv):
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
         check_launch(cfg, mcfg)  # again: the model type may come from a checkpoint
         memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does
-        with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: shards later
+        with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
         env.print(summary(model, cfg, env, data))
-        if ckpt is not None and cfg.init_from != "resume" and not parallel.sharded(cfg, env):
-            model.load_state_dict(common.clean_state_dict(ckpt["model"]))
-        model = parallel.build(model, cfg, env)
-        if ckpt is not None and cfg.init_from != "resume" and parallel.sharded(cfg, env):
-            checkpoint.load_full_state(model, common.clean_state_dict(ckpt["model"]))
-        optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
-        start, best = 0, float("inf")
-        if cfg.init_from == "resume":
-            checkpoint.restore_run(model, optimizer, ckpt, cfg, env)
-            start, best = ckpt["iter_num"], ckpt["best_val_loss"]
-            env.print(f"resumed from iteration {start}")
-        elif ckpt is not None:
-            env.print(f"starting from the weights of {cfg.init_from}")
-        extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data, tokenizer=cfg.tokenizer)
-        fit(model, cfg, env, data, extra, start, best, optimizer)
+        model, optimizer, start, best = setup_run(model, cfg, env, ckpt)
+        extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
+                     tokenizer=cfg.tokenizer)
+        fit(model, optimizer, cfg, env, data, extra, start, best)
     finally:
         if lock:
             lock.close()

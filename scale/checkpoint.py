@@ -78,14 +78,12 @@ def load_sharded(model, optimizer, folder):
     set_optimizer_state_dict(model, optimizer, osd)
 
 
-def load_full_state(model, state_dict):
-    """Load an ordinary (full) state dict into the FSDP-wrapped model, each rank keeping its shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
 
-def convert_sharded(folder, dst):
-    """A sharded checkpoint folder -> the ordinary single file (model only, no optimizer state)."""
+def convert_sharded(folder, dst=None):
+    """A sharded checkpoint folder -> the ordinary single file (model only, no optimizer state),
+    by default ckpt.pt beside the folder."""
+    dst = dst or os.path.join(os.path.dirname(os.path.abspath(folder)), "ckpt.pt")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     path = latest_sharded(folder)
     meta = common.load(os.path.join(path, "meta.pt"))
@@ -94,6 +92,7 @@ def convert_sharded(folder, dst):
     model = torch.load(tmp, weights_only=True)
     os.remove(tmp)
     common.save({**meta, "model": common.clean_state_dict(model), "optimizer": None}, dst)
+    print(f"wrote {dst}")
 
 
 # -- a training run's checkpoint: one file, or the sharded folder under FSDP2 ----------------------
@@ -132,3 +131,13 @@ def restore_run(model, optimizer, ckpt, cfg, env):
                   "starts afresh, so the run continues but does not reproduce an uninterrupted one")
     else:
         optimizer.load_state_dict(ckpt["optimizer"])
+
+
+def load_weights(model, ckpt, cfg, env):
+    """A checkpoint's weights, without its optimizer state, into the built model (a run that starts
+    from them); under FSDP2 each rank keeps its own shards of them."""
+    state_dict = common.clean_state_dict(ckpt["model"])
+    if not parallel.sharded(cfg, env):
+        return parallel.unwrap(model).load_state_dict(state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))

@@ -78,7 +78,7 @@ class WeightGenerator:
     def generate(self, steps=None, solver=None, offsets=None, grad=True):
         """W(t) at every stage time of `steps` steps of `solver` (the model's by default), Euler's times moved
         back by `offsets` (steps,) as in DiffEqFormer.forward. With grad, as leaves that collect dL/dW for
-        backward(); without (evaluation), as plain tensors."""
+        backward(); without (evaluation), as plain tensors. Returns them, as weights() does."""
         steps, solver = self.model.check_steps(steps, solver)
         ts = self.model.times(steps, solver, offsets)
         self.release()
@@ -95,7 +95,7 @@ class WeightGenerator:
                     for name, out in self.generated.items()}
         if not grad:
             self.leaves = {name: [None if t is None else t.unbind(0) for t in out] for name, out in full.items()}
-            return
+            return self.weights()
         # dL/dW of every time accumulates, in the parameters' dtype, in one flat buffer (one all-reduce)
         sizes = [t.numel() for out in full.values() for t in out if t is not None]
         self.flat = torch.zeros(sum(sizes), device=self.device, dtype=self.param_dtype)
@@ -114,6 +114,7 @@ class WeightGenerator:
                     w.register_post_accumulate_grad_hook(collect_into(g))
                 self.leaves[name].append(steps_of)
                 self.grads[name].append(grad_buffer)
+        return self.weights()
 
     def weights(self):
         """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=): fresh
