@@ -42,14 +42,15 @@ class LoRA(nn.Module):
 
 
 def lora_targets(model, targets):
-    """{name: nn.Linear} of every block linear that `targets` ("all" or comma-separated names) picks."""
+    """{name: nn.Linear} of every block linear that `targets` ("all" or names, comma-separated)
+    picks."""
     valid = sorted(block_shapes(model.cfg))
     names = set(valid) if targets == "all" else {t.strip() for t in targets.split(",") if t.strip()}
     unknown = sorted(names - set(valid))
     if unknown or not names:
-        raise UserError(f"lora_targets={targets!r}: {', '.join(unknown) or 'nothing'} is not a linear "
-                        f"layer of this {model.cfg.flavor} model; choose from {', '.join(valid)} "
-                        f"(comma-separated), or all")
+        raise UserError(f"lora_targets={targets!r}: {', '.join(unknown) or 'nothing'} is not a "
+                        f"linear layer of this {model.cfg.flavor} model; choose from "
+                        f"{', '.join(valid)} (comma-separated), or all")
     return {f"layers.{k}.{name}": getattr(layer, name) for k, layer in enumerate(model.layers)
             for name in sorted(names)}
 
@@ -71,7 +72,8 @@ def lora_state_dict(model):
 
 
 def merge_lora(model):
-    """Fold every adapter into its weight, leaving ordinary nn.Linear layers; refuses a merged model."""
+    """Fold every adapter into its weight, leaving ordinary nn.Linear layers (a merged model: a
+    UserError)."""
     merged = 0
     for m in model.modules():
         if parametrize.is_parametrized(m, "weight"):
@@ -85,35 +87,35 @@ def merge_lora(model):
 
 
 def at_depth(model, steps, path):
-    """The model as a discrete transformer of `steps` layers: an ODE materialised (METHOD 5); a model
-    of fixed layers as it is (asked for another depth, a UserError). steps 0: its own depth."""
+    """The model as a discrete transformer of `steps` layers: an ODE materialised (METHOD 5); a
+    model of fixed layers as it is (another depth: a UserError). steps 0: its own depth."""
     cfg = model.cfg
     steps = steps or cfg.n_layer
     if cfg.is_ode:
         return model.materialize(steps)
     if steps != cfg.n_layer:
-        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with {cfg.n_layer} fixed "
-                        f"layers, so it cannot be fine-tuned with --steps {steps}: only a DiffEqFormer "
-                        f"(diffeq or shared) has a depth that is a solver step count; use --steps "
-                        f"{cfg.n_layer} or 0")
+        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with {cfg.n_layer} "
+                        f"fixed layers, so it cannot be fine-tuned with --steps {steps}: only a "
+                        f"DiffEqFormer (diffeq or shared) has a depth that is a solver step count; "
+                        f"use --steps {cfg.n_layer} or 0")
     return model
 
 
 def check_base(path, sha256):
     """Refuse a base checkpoint that is not the file the adapters (or a run) were trained on."""
     if not os.path.isfile(path):
-        raise UserError(f"the base checkpoint {path} does not exist: the adapters were trained on it; "
-                        f"if it moved, name it with --merge_base=PATH")
+        raise UserError(f"the base checkpoint {path} does not exist: the adapters were trained on "
+                        f"it; if it moved, name it with --merge_base=PATH")
     if common.file_hash(path) != sha256:
-        raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run started "
-                        f"(its sha256 no longer matches): adapters on it would be folded into the wrong "
-                        f"weights; keep the original base at that path, or name it with "
-                        f"--merge_base=PATH when merging")
+        raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run "
+                        f"started (its sha256 no longer matches): adapters on it would be folded "
+                        f"into the wrong weights; keep the original base at that path, or name it "
+                        f"with --merge_base=PATH when merging")
 
 
 def load_adapted(path, base_path=None):
-    """An adapters file on its base checkpoint (the recorded one, or `base_path` if it moved, checked
-    by its sha256): (the base at the adapters' depth with the adapters in place, base checkpoint)."""
+    """An adapters file on its base checkpoint (the recorded one, or `base_path` if it moved,
+    checked by its sha256): (the base at the adapters' depth, adapters in place; its checkpoint)"""
     adapters = common.load(path, kind=common.ADAPTERS)
     base_path = base_path or adapters["base_checkpoint"]
     check_base(base_path, adapters["base_sha256"])

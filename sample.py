@@ -1,11 +1,11 @@
 """
 Sample from a trained model: any checkpoint this project writes, decoded with static KV caches.
 
-    python sample.py                                          # out/ckpt.pt, what `python train.py` writes
-    python sample.py --start="ROMEO:" --num_samples=2 --max_new_tokens=300 --temperature=0.8 --top_k=200
+    python sample.py                                       # out/ckpt.pt, what train.py writes
+    python sample.py --start="ROMEO:" --num_samples=2 --max_new_tokens=300 --top_k=200
     python sample.py --start=FILE:prompt.txt --top_p=0.9 --seed=7
-    python sample.py --steps 12 --solver rk4                  # an ODE: more (or less) compute per token
-    python sample.py --init_from=out-finetune/adapters.pt     # LoRA adapters, on their base checkpoint
+    python sample.py --steps 12 --solver rk4               # an ODE: more compute per token
+    python sample.py --init_from=out-finetune/adapters.pt  # LoRA adapters, on their base checkpoint
     python sample.py --init_from=out-finetune/merged.pt --compile
 
 Generation is gpt-fast's generate.py: `setup_caches` makes static KV caches, one per evaluation of F
@@ -31,13 +31,13 @@ from model import SOLVERS, KVCache
 
 @dataclass
 class SampleConfig:
-    init_from: str = "out/ckpt.pt"  # a model checkpoint (ckpt.pt, merged.pt) or a LoRA adapters file
+    init_from: str = "out/ckpt.pt"  # a model checkpoint (ckpt.pt, merged.pt) or LoRA adapters
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = 3
     max_new_tokens: int = 500
     temperature: float = 0.8  # 0: greedy decoding (the argmax)
     top_k: int = 200  # sample among the k most likely tokens; 0: all of them
-    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens whose probability reaches top_p
+    top_p: float = 1.0  # nucleus sampling: the fewest tokens whose probability reaches top_p
     seed: int = 1337
     steps: int = 0  # solver steps of an ODE checkpoint; 0: its training count
     solver: str = ""  # euler, midpoint or rk4 for an ODE checkpoint; "": its training solver
@@ -57,12 +57,12 @@ class SampleConfig:
             raise ValueError(f"solver={self.solver!r} is not one of {', '.join(SOLVERS)}")
 
 
-# -- generation -------------------------------------------------------------------------------------
+# -- generation ------------------------------------------------------------------------------------
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0; else a sample of
-    softmax(logits / temperature) over the top_k most likely tokens, then over the smallest set of them
-    whose probability reaches top_p (nucleus sampling; the most likely token is always kept)."""
+    softmax(logits / temperature) over the top_k most likely tokens, then over the smallest set of
+    them whose probability reaches top_p (nucleus sampling; the likeliest token is always kept)"""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
@@ -91,14 +91,15 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
     evaluations = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
     hs = cfg.n_embd // cfg.n_head
-    caches = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype) for _ in range(evaluations)]
+    caches = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
+              for _ in range(evaluations)]
     weights = model.step_weights(steps, solver) if cfg.is_ode else None
     return dict(caches=caches, weights=weights, steps=steps, solver=solver)
 
 
 def prefill(model, idx, state):
-    """The next-token logits (B, vocab) after idx (B, T), its tokens at positions 0..T-1, in one pass
-    that fills the KV caches."""
+    """The next-token logits (B, vocab) after idx (B, T), its tokens at positions 0..T-1, in one
+    pass that fills the KV caches."""
     pos = torch.arange(idx.size(1), device=idx.device)
     return decode_one_token(model, idx, pos, state)
 
@@ -128,7 +129,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     if rope:  # the first L tokens at once, then one by one into the sliding window
         logits = prefill(model, idx[:, :L], state)
         for p in range(L, T):
-            logits = decode(model, idx[:, p:p + 1].contiguous(), torch.tensor([p], device=idx.device), state)
+            token = idx[:, p:p + 1].contiguous()
+            logits = decode(model, token, torch.tensor([p], device=idx.device), state)
     else:
         logits = prefill(model, idx[:, -L:], state)
     for i in range(max_new_tokens):
@@ -150,17 +152,19 @@ def solver_args(model, cfg, path):
     """(steps, solver) for generate: --steps and --solver change an ODE's computation only."""
     mcfg = model.cfg
     if not mcfg.is_ode and (cfg.steps not in (0, mcfg.n_layer) or cfg.solver not in ("", "euler")):
-        asked = " ".join(f"--{k} {v}" for k, v in (("steps", cfg.steps), ("solver", cfg.solver)) if v)
+        asked = " ".join(f"--{k} {v}" for k, v in (("steps", cfg.steps), ("solver", cfg.solver))
+                         if v)
         raise UserError(f"{path} holds a {mcfg.model_type} ({mcfg.flavor}) model of {mcfg.n_layer} "
-                        f"fixed layers, so it cannot run with {asked}: only an ODE checkpoint (diffeq "
-                        f"or shared) has a depth that is a solver step count")
+                        f"fixed layers, so it cannot run with {asked}: only an ODE checkpoint "
+                        f"(diffeq or shared) has a depth that is a solver step count")
     return cfg.steps or None, cfg.solver or None
 
 
 def describe(model, steps, solver):
     """"diffeq (gpt), 6 euler steps" or "baseline (llama), 12 layers": the model as it will run."""
     cfg = model.cfg
-    depth = f"{steps or cfg.n_layer} {solver or cfg.solver} steps" if cfg.is_ode else f"{cfg.n_layer} layers"
+    depth = f"{steps or cfg.n_layer} {solver or cfg.solver} steps" if cfg.is_ode else \
+        f"{cfg.n_layer} layers"
     return f"{cfg.model_type} ({cfg.flavor}), {depth}"
 
 
@@ -217,7 +221,8 @@ def main(argv):
     for row in y.tolist():
         print(tok.decode([i for i in row if i < tok.vocab_size]))  # padded vocabulary ids: no text
         print("---------------")
-    print(f"{cfg.init_from}: {describe(model, steps, solver)}; {cfg.num_samples} x {cfg.max_new_tokens} "
+    print(f"{cfg.init_from}: {describe(model, steps, solver)}; {cfg.num_samples} x "
+          f"{cfg.max_new_tokens} "
           f"tokens in {dt:.2f} s ({cfg.num_samples * cfg.max_new_tokens / dt:,.0f} tokens/s"
           f"{', compile included' * cfg.compile})", file=sys.stderr)
 
