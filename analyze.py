@@ -39,7 +39,7 @@ from tqdm import tqdm
 import common
 import plots
 import prepare
-from configurator import UserError, parse_config, run_main
+from configurator import UserError, make_dir, parse_config, run_main
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the"
@@ -369,6 +369,7 @@ def main(argv):
             except ValueError as e:
                 raise UserError(str(e)) from e
             ids = read_prompt(acfg, tok, mcfg.block_size)
+    make_dir(acfg.out, "out")  # a file in the way, or a read-only folder: one line, before the work
     if acfg.cluster:
         cluster(ccfg, acfg.out)
     if acfg.spectral or acfg.lyapunov:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import UserError
+from configurator import ConfigError, UserError, make_dir
 from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
 # -- processes and devices --------------------------------------------------------------------------
@@ -89,8 +90,8 @@ def on_master(env, fn, what):
     if env.distributed:
         flag = torch.tensor(int(error is not None), device=env.device)  # NCCL sends CUDA tensors only
         dist.broadcast(flag, 0)
-        if flag.item() and error is None:
-            raise UserError(f"rank 0 could not {what}")
+        if flag.item() and error is None:  # rank 0 says why
+            raise ConfigError(f"rank 0 could not {what}")
     if error is not None:
         raise error
     return result
@@ -179,14 +180,24 @@ WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and DDP's
 
 
 def save(obj, path):
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file,
+    and a full disk or a read-only folder is one UserError that leaves the file before intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save wraps the OSError of a full disk
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise UserError(f"could not write {path}: {cause.strerror or cause}; what was there before is "
+                        f"intact (a run resumes from it with --init_from=resume)") from None
 
 
 def load(path, kind=MODEL, map_location="cpu"):
@@ -269,8 +280,7 @@ def lock(out_dir):
     or the process ends (a killed run leaves no stale lock). Then remove the temporary files that a
     killed run left behind."""
     import fcntl
-    os.makedirs(out_dir, exist_ok=True)
-    f = open(os.path.join(out_dir, ".lock"), "a+")
+    f = open(os.path.join(make_dir(out_dir, "out_dir"), ".lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -318,6 +328,30 @@ class RunLog:
     def close(self):
         if self.wandb:
             self.wandb.finish()
+
+
+class Interrupt:
+    """Ctrl-C during training: the first one asks the loop to save the iteration it is at and stop
+    (train.fit raises Interrupted); a second one stops at once. Under torchrun every rank gets the
+    signal, at its own moment: `asked()` agrees across the ranks, so that all stop together."""
+
+    def __init__(self, env):
+        self.env, self.flag = env, False
+        self.previous = signal.signal(signal.SIGINT, self.handler)
+
+    def handler(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+
+    def asked(self):
+        flag = torch.tensor(float(self.flag), device=self.env.device)
+        if self.env.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self):
+        signal.signal(signal.SIGINT, self.previous)
 
 
 # -- what a model costs ------------------------------------------------------------------------------

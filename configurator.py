@@ -20,12 +20,42 @@ import typing
 
 
 class UserError(Exception):
-    """An error the user must fix (a config, a path, a checkpoint kind, a prompt): run_main prints it
-    as one line and exits with status 2. Every other exception keeps its traceback."""
+    """An error the user must fix (a config, a path, a checkpoint kind, a prompt): run_main prints
+    it as one line and exits with status 2. Every other exception keeps its traceback."""
+    exit_code, every_rank = 2, False  # every_rank: every torchrun rank raises it, rank 0 says it
 
 
 class ConfigError(UserError):
-    """A bad command line or config file."""
+    """A bad command line or config file, or a plan the config alone refuses (on every rank)."""
+    every_rank = True
+
+
+class Interrupted(UserError):
+    """Ctrl-C during training: the run saved where it was (train.fit); status 130, as a shell's."""
+    exit_code, every_rank = 130, True
+
+
+def int_range(text, key, high):
+    """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within 1..high."""
+    lo, _, hi = text.partition("-")
+    if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo) <= high):
+        raise ValueError(f"{key}={text!r}: use a whole number or a range like 3-9 within 1..{high}")
+    return int(lo), int(hi or lo)
+
+
+def make_dir(path, flag):
+    """os.makedirs(path) for a folder a flag names, or one UserError when it cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        is_file = os.path.exists(path) and not os.path.isdir(path)
+        why = "it is a file, not a folder" if is_file else e.strerror or type(e).__name__
+        raise UserError(f"cannot write into --{flag}={path}: {why}; choose another --{flag}") \
+            from None
+    return path
 
 
 def fields_of(*classes):
@@ -174,7 +204,9 @@ def run_main(main):
     """Run a script's main(), turning the errors a user can fix into one line on stderr."""
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt:  # a second Ctrl-C during training, or one anywhere else
+        sys.exit(130)
     except UserError as e:
-        if int(os.environ.get("RANK", 0)) == 0 or not isinstance(e, ConfigError):  # every rank has the same ConfigError
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
+            print(f"{'' if isinstance(e, Interrupted) else 'error: '}{e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -23,7 +23,7 @@ import common
 import lora
 import train
 from configurator import ConfigError, UserError, parse_config, run_main
-from model import DiffEqFormer, ModelConfig
+from model import MAX_STEPS, DiffEqFormer, ModelConfig
 
 DEFAULT_CONFIG = "config/finetune_wikitext2.py"
 
@@ -40,8 +40,9 @@ class FinetuneConfig:
     merge_base: str = ""  # with --merge: the base checkpoint, if it moved since the adapters were trained
 
     def __post_init__(self):
-        if self.steps < 0:
-            raise ValueError(f"steps={self.steps} must be at least 1 (or 0 for the pretraining count)")
+        if not 0 <= self.steps <= MAX_STEPS:
+            raise ValueError(f"steps={self.steps} must be in 1..{MAX_STEPS} (or 0 for the pretraining "
+                             f"count)")
         if self.lora_rank < 1:
             raise ValueError(f"lora_rank={self.lora_rank} must be at least 1")
 

@@ -25,7 +25,7 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from configurator import UserError, parse_config, run_main
+from configurator import UserError, make_dir, parse_config, run_main
 
 SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -42,6 +42,7 @@ HF_DATASETS = {  # name: (load_dataset arguments, separator that joins the rows 
 
 class DownloadError(UserError):
     """A failed download: run_main prints it as the one line that says how to work offline."""
+    every_rank = True  # under torchrun every rank may fail to download the same tokenizer
 
 
 def download_error(what, error, offline):
@@ -213,6 +214,7 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
             print(f"{data_dir} already holds {dataset} as {tokenizer} tokens from the same source; reusing it")
             return data_dir
 
+    make_dir(data_root, "data_root")  # a file in the way, or read-only: one line, before any work
     tok = get_tokenizer(tokenizer)
     corpus = dataset == "openwebtext" and not paths  # tokenised document by document, written in shards
     splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), load_text(dataset, paths, val_file)))

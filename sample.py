@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import common
 import prepare
 from configurator import UserError, parse_config, run_main
-from model import SOLVERS, KVCache
+from model import MAX_STEPS, SOLVERS, KVCache
 
 
 @dataclass
@@ -53,6 +53,8 @@ class SampleConfig:
             raise ValueError(f"temperature={self.temperature} must be at least 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"steps={self.steps} must be at most {MAX_STEPS}")
         if self.solver and self.solver not in SOLVERS:
             raise ValueError(f"solver={self.solver!r} is not one of {', '.join(SOLVERS)}")
 
@@ -174,8 +176,11 @@ def read_prompt(start):
         path = start[len("FILE:"):]
         if not os.path.isfile(path):
             raise UserError(f"prompt file {path} does not exist")
-        with open(path, encoding="utf-8") as f:
-            start = f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                start = f.read()
+        except UnicodeDecodeError:
+            raise UserError(f"prompt file {path} is not UTF-8 text") from None
     return start
 
 

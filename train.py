@@ -30,7 +30,7 @@ from tqdm import tqdm
 import common
 import plots
 import prepare
-from configurator import ConfigError, UserError, parse_config, run_main
+from configurator import ConfigError, Interrupted, UserError, int_range, parse_config, run_main
 from model import MAX_STEPS, DiffEqFormer, ModelConfig, unbind_times
 from scale import checkpoint, memory, parallel
 from scale.checkpoint import load_run  # noqa: F401 (finetune.py resumes with it)
@@ -87,7 +87,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.train_steps:
-            step_range(self.train_steps)
+            int_range(self.train_steps, "train_steps", MAX_STEPS)
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"parallel={self.parallel!r}: use ddp or fsdp")
         for name in ("max_iters", "batch_size", "gradient_accumulation_steps", "eval_iters",
@@ -122,22 +122,13 @@ def learning_rate(it, cfg):
 
 # -- the any-depth options (METHOD 8.2) ------------------------------------------------------------
 
-def step_range(text):
-    """"3-9" -> (3, 9), "6" -> (6, 6): the train_steps option."""
-    lo, _, hi = text.partition("-")
-    if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo) <= MAX_STEPS):
-        raise ValueError(f"train_steps={text!r}: use a step count or a range like 3-9 within "
-                         f"1..{MAX_STEPS}")
-    return int(lo), int(hi or lo)
-
-
 def iteration_steps(it, cfg, mcfg):
     """The ODE step count and Euler time offsets of iteration `it`: n_layer and None, or drawn from
     an RNG seeded by (seed, iteration), the same on every rank and again when a run resumes."""
     if not cfg.train_steps and not cfg.time_jitter:
         return mcfg.n_layer, None
     rng = np.random.default_rng([cfg.seed, it, 11])
-    lo, hi = step_range(cfg.train_steps or str(mcfg.n_layer))
+    lo, hi = int_range(cfg.train_steps or str(mcfg.n_layer), "train_steps", MAX_STEPS)
     steps = int(rng.integers(lo, hi + 1))
     return steps, (torch.from_numpy(rng.random(steps)) if cfg.time_jitter else None)
 
@@ -146,10 +137,9 @@ def iteration_steps(it, cfg, mcfg):
 
 @torch.no_grad()
 def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
-    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation),
-    divided among the processes; the ODE's weights generated once for the whole evaluation. Every
-    process runs the same number of forward passes (FSDP's collectives must pair up); the passes
-    past eval_iters count with weight 0."""
+    """Mean loss over eval_iters fixed batches of each split, divided among the processes, the ODE's
+    weights generated once. Every process runs as many forward passes (FSDP's collectives must pair
+    up); the passes past eval_iters count with weight 0."""
     model.eval()
     raw = parallel.unwrap(model)
     weights = None
@@ -177,9 +167,8 @@ def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
 
 
 def train_step(model, optimizer, batches, it, cfg, env, gen=None):
-    """One optimizer step over this process's micro-steps; returns its mean loss (a tensor) and the
-    ODE step count it trained with. Dropout masks come from an RNG seeded by (seed, iteration,
-    rank), so that a resumed run repeats them."""
+    """One optimizer step over this process's micro-steps: (mean loss tensor, ODE step count).
+    Dropout masks come from an RNG seeded by (seed, iteration, rank): resuming repeats them."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
     steps, offsets = iteration_steps(it, cfg, raw.cfg)
@@ -220,8 +209,7 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
 # -- the loop --------------------------------------------------------------------------------------
 
 def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf")):
-    """The training loop. `extra` is stored in every checkpoint (configs, data description). Returns
-    the evaluation history."""
+    """The training loop; `extra` goes into every checkpoint. Returns the evaluation history."""
     raw = parallel.unwrap(model)
     mcfg = raw.cfg
     once = parallel.generates_once(raw, cfg)
@@ -235,7 +223,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     peak = common.peak_flops(env, cfg.peak_flops) * env.world_size
     log = common.RunLog(cfg.out_dir, start_iter, env.master, cfg.wandb and cfg.wandb_project,
                         {**asdict(cfg), **mcfg.to_dict()})
-    history = []
+    history, interrupt = [], common.Interrupt(env)
     model.train()
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
     bar = tqdm(range(start_iter, end + 1), initial=start_iter, total=cfg.max_iters,
@@ -252,11 +240,15 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
                 bar.write(f"iter {it}: train loss {row['train_loss']:.4f}, val loss "
                           f"{row['val_loss']:.4f}, val perplexity {row['val_ppl']:.2f}")
             best_val_loss = min(best_val_loss, losses["val"])
-        if evaluating and it > start_iter:
+        stop = it < end and interrupt.asked()  # Ctrl-C: save this iteration, stop; twice: at once
+        if (evaluating and it > start_iter) or stop:
             state = dict(iter_num=it, best_val_loss=best_val_loss)
             checkpoint.save_run(model, optimizer, state, cfg, env, extra)
             if env.master:
                 plots.loss_curve(log.path, os.path.join(cfg.out_dir, "loss.png"))
+        if stop:
+            raise Interrupted(f"interrupted: iteration {it} saved in {cfg.out_dir}/; continue with "
+                              f"the same command and --init_from=resume")
         if it == end:
             break
         t0 = time.perf_counter()
@@ -277,6 +269,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
             log(dict(iter=it, loss=total, lr=lr, tok_s=tok_s, mfu=mfu))
     bar.close()
     log.close()
+    interrupt.close()
     return history
 
 
@@ -302,8 +295,8 @@ def check_launch(cfg, mcfg):
 
 
 def setup_run(model, cfg, env, ckpt=None):
-    """(the model built for the run, its optimizer, the iteration and best validation loss it starts
-    from): a resumed run's state (ckpt from load_run), or the weights it starts from."""
+    """(model built for the run, optimizer, start iteration, best validation loss), from a resumed
+    run's state (ckpt from load_run), or the weights it starts from, or scratch."""
     model = parallel.build(model, cfg, env)
     optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
     if cfg.init_from == "resume":
@@ -317,9 +310,8 @@ def setup_run(model, cfg, env, ckpt=None):
 
 
 def model_config_for(mcfg, cfg, env, given, data):
-    """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape
-    when resuming or starting from one (the command line cannot change a trained model's shape),
-    else the given one with the data's vocabulary, padded to a multiple of 64 (50257 -> 50304)."""
+    """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape,
+    or the given one with the data's vocabulary padded to a multiple of 64 (50257 -> 50304)."""
     vocab = prepare.load_meta(data)["vocab_size"]
     if cfg.init_from == "scratch":
         if "vocab_size" not in given:
@@ -367,9 +359,9 @@ def summary(model, cfg, env, data):
 
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
-    if cfg.dry_run:  # reads no data: a byte model's vocabulary is known, a tiktoken one is GPT-2's
-        if cfg.tokenizer == "byte" and "vocab_size" not in given:
-            mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})
+    if cfg.tokenizer == "byte" and "vocab_size" not in given:  # known before any data is read
+        mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})
+    if cfg.dry_run:  # a tiktoken model plans with GPT-2's vocabulary (the default)
         return memory.dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if cfg.convert:  # a sharded folder -> ckpt.pt beside it
         return checkpoint.convert_sharded(cfg.convert)
@@ -377,6 +369,9 @@ def main(argv):
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None
     try:
+        if cfg.init_from == "scratch":  # fail fast: refuse the plan before any download
+            memory.check(mcfg, cfg, env)
+        prepare.get_tokenizer(cfg.tokenizer)  # offline and not cached: one line, before the data
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         data = common.prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)

@@ -216,12 +216,17 @@ def task_manager(tasks, include_path=""):
 
 
 def evaluate(lm, tasks, manager, cfg):
-    """lm-eval's simple_evaluate of lm on the tasks: its results dict."""
-    return harness().simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
-        limit=cfg.limit or None, task_manager=manager, bootstrap_iters=cfg.bootstrap_iters,
-        log_samples=cfg.log_samples, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
-        torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+    """lm-eval's simple_evaluate of lm on the tasks: its results dict. A task whose data cannot be
+    downloaded (no network) is one UserError."""
+    try:
+        return harness().simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
+            limit=cfg.limit or None, task_manager=manager, bootstrap_iters=cfg.bootstrap_iters,
+            log_samples=cfg.log_samples, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+    except ConnectionError as e:  # datasets' own, and requests' (a subclass of OSError's)
+        raise UserError(f"could not download the data of {', '.join(tasks)} ({e}); offline, evaluate "
+                        f"on local tasks: --include_path=experiments/tasks --tasks shakespeare") from None
 
 
 # -- reports ----------------------------------------------------------------------------------------------

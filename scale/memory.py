@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from configurator import UserError
+from configurator import ConfigError
 from model import SOLVERS, DiffEqFormer, TimeDependentLinear, TimeDependentNorm
 from scale.parallel import fsdp_units
 
@@ -133,11 +133,23 @@ def dry_run(mcfg, cfg, world, dtype=None, device_type="cuda", verbose=True):
     if verbose:
         print_plan(model, phase, plan, total, mcfg, cfg, world, dtype)
     if total > cfg.gpu_memory_gb:
-        hint = " with parallel='fsdp' under torchrun" if cfg.parallel == "ddp" or world == 1 else ", a smaller batch_size or checkpoint=True"
         where = "GPU" if device_type == "cuda" else "process (the machine's RAM shared by its processes)"
-        raise UserError(f"this plan needs ~{total:.0f} GiB per {where} and does not fit in {cfg.gpu_memory_gb:.3g} GiB; "
-                        f"shard it{hint} (see --dry_run)")
+        raise ConfigError(f"this plan needs ~{total:.0f} GiB per {where} and does not fit in "
+                          f"{cfg.gpu_memory_gb:.3g} GiB; {advice(model, mcfg, cfg, world, dtype, device_type)}")
     return plan
+
+
+def advice(model, mcfg, cfg, world, dtype, device_type):
+    """What would make a refused plan fit: sharding it over enough GPUs (on CPU, processes share one
+    machine's memory, so only less memory per process helps), a smaller batch, checkpointing."""
+    smaller = "a smaller batch_size, --checkpoint, or a machine with more memory (see --dry_run)"
+    sharded = dataclasses.replace(cfg, parallel="fsdp")
+    now = world if cfg.parallel == "fsdp" else 1  # more GPUs than a sharded run has now
+    fits = [w for w in (2 ** k for k in range(1, 13)) if w > now and sum(memory_plan(
+        model, mcfg, sharded, w, dtype, device_type)[1].values()) <= cfg.gpu_memory_gb * 2 ** 30]
+    if device_type != "cuda" or not fits:
+        return smaller
+    return f"shard it with parallel='fsdp' under torchrun over {fits[0]} GPUs or more, or {smaller}"
 
 
 def print_plan(model, phase, plan, total, mcfg, cfg, world, dtype):

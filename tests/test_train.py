@@ -291,7 +291,7 @@ def test_any_depth_draws_are_reproducible_and_resume_exactly(tmp_path, shakespea
 def test_any_depth_options_are_refused_for_a_model_with_fixed_layers():
     with pytest.raises(UserError, match="--train_steps and --time_jitter train an ODE; a baseline model"):
         train.main(["--model_type=baseline", "--train_steps=3-9"])
-    with pytest.raises(ConfigError, match="train_steps='9-3': use a step count or a range like 3-9"):
+    with pytest.raises(ConfigError, match="train_steps='9-3': use a whole number or a range like 3-9"):
         parse_config(["--train_steps=9-3"], ModelConfig, train.TrainConfig)
 
 

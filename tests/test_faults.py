@@ -1,0 +1,179 @@
+"""What a user's fault run found, through the command line: each case is one clear line (exit 2), never a
+traceback; the flagship command on a CPU machine is refused before any download, by rank 0 alone; Ctrl-C
+saves the run where it is (exit 130) and resuming it continues exactly; a full disk leaves the last
+checkpoint intact."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import analyze
+import finetune
+import sample
+import train
+from configurator import run_main
+
+from conftest import ROOT
+from test_train import losses, tiny_and
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def one_line(main, argv, capsys, monkeypatch, code=2):
+    """run_main(main) on argv: the exit code, and the single line it printed on stderr."""
+    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
+    with pytest.raises(SystemExit) as done:
+        run_main(main)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]  # tqdm's bar aside
+    assert done.value.code == code and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def test_the_flagship_on_a_cpu_machine_is_refused_by_rank_0_before_any_download(tmp_path):
+    """torchrun ... train.py config/llama1b.py on CPUs: the memory plan refuses it first, before the GPT-2
+    tokenizer or OpenWebText is fetched (offline both would fail); one error line, every rank exits 2."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "config/llama1b.py", "--device=cpu", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**ENV, "TIKTOKEN_CACHE_DIR": str(tmp_path / "no-cache")})
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "needs ~" in errors[0] and "does not fit" in errors[0] and "a machine with more memory" in errors[0]
+    assert "shard it" not in errors[0]  # already sharded; more CPU processes share the same memory
+    assert done.returncode != 0 and "exitcode  : 2" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "data").exists() and not (tmp_path / "out").exists()  # nothing was done
+
+
+def test_an_offline_tokenizer_is_one_line_before_any_data_work(tmp_path, capsys, monkeypatch):
+    import prepare
+
+    def offline(name):
+        raise prepare.download_error("the gpt2 tokenizer", OSError("no network"), "set TIKTOKEN_CACHE_DIR")
+    monkeypatch.setattr(prepare, "get_tokenizer", offline)
+    line = one_line(train.main, tiny_and("--tokenizer=gpt2", f"--data_root={tmp_path / 'data'}",
+                                         f"--out_dir={tmp_path / 'out'}"), capsys, monkeypatch)
+    assert line.startswith("error: could not download the gpt2 tokenizer") and not (tmp_path / "data").exists()
+
+
+def test_ctrl_c_saves_the_iteration_and_resuming_continues_exactly(tmp_path, shakespeare):
+    """SIGINT to a running `python train.py`: exit 130 with one line saying where and how to resume; the
+    resumed run's logged losses are an uninterrupted run's."""
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", "--max_iters=60",
+                    "--eval_interval=30")
+    straight = subprocess.run([sys.executable, "train.py", *args, f"--out_dir={tmp_path / 'a'}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, env=ENV)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    log = tmp_path / "b" / "log.jsonl"
+    run = subprocess.Popen([sys.executable, "train.py", *args, f"--out_dir={tmp_path / 'b'}"], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 240
+    while time.time() < deadline and (not log.exists() or sum(1 for _ in open(log)) < 8):
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted: iteration ") and "--init_from=resume" in last, err[-2000:]
+    stopped = int(last.split()[2])
+    assert 0 < stopped < 60 and torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["iter_num"] == stopped
+    resumed = subprocess.run([sys.executable, "train.py", *args, f"--out_dir={tmp_path / 'b'}", "--init_from=resume"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = [json.loads(line) for line in open(log)]
+    want = losses(json.loads(line) for line in open(tmp_path / "a" / "log.jsonl"))
+    assert sorted(losses(rows)) == list(range(60))
+    for it, loss in losses(rows).items():
+        assert loss == pytest.approx(want[it], abs=1e-6), it
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, shakespeare):
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", "--max_iters=100000",
+                    f"--out_dir={tmp_path / 'out'}")
+    run = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=ENV)
+    log = tmp_path / "out" / "log.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not log.exists() or sum(1 for _ in open(log)) < 3):
+        time.sleep(0.05)
+    for _ in range(2):  # the first asks for a checkpoint, the second stops wherever the run is
+        run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130 and "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("flag", ["out_dir", "data_root"])
+def test_a_file_in_the_way_is_one_line(tmp_path, capsys, monkeypatch, shakespeare, flag):
+    (tmp_path / "file").write_text("not a folder")
+    paths = {"out_dir": tmp_path / "out", "data_root": tmp_path / "data", flag: tmp_path / "file"}
+    argv = tiny_and(f"--input_file={shakespeare}", *(f"--{k}={v}" for k, v in paths.items()))
+    line = one_line(train.main, argv, capsys, monkeypatch)
+    assert line == f"error: cannot write into --{flag}={tmp_path / 'file'}: it is a file, not a folder; " \
+                   f"choose another --{flag}"
+
+
+@pytest.mark.parametrize("flag", ["out_dir", "data_root"])
+def test_a_read_only_folder_is_one_line(tmp_path, capsys, monkeypatch, shakespeare, flag):
+    """A read-only filesystem (the tests run as root, who may write anywhere: its error is injected)."""
+    read_only = tmp_path / "ro"
+    real_open = open
+
+    def guarded(path, *args, **kwargs):
+        if str(path).startswith(str(read_only)) and (args[:1] or [kwargs.get("mode", "r")])[0] != "r":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr("builtins.open", guarded)
+    paths = {"out_dir": tmp_path / "out", "data_root": tmp_path / "data", flag: read_only}
+    argv = tiny_and(f"--input_file={shakespeare}", *(f"--{k}={v}" for k, v in paths.items()))
+    line = one_line(train.main, argv, capsys, monkeypatch)
+    assert line == f"error: cannot write into --{flag}={read_only}: Read-only file system; choose another --{flag}"
+
+
+def test_analyze_with_a_file_as_out_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    line = one_line(analyze.main, ["--cluster", f"--out={tmp_path / 'file'}"], capsys, monkeypatch)
+    assert line.endswith("it is a file, not a folder; choose another --out")
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                             shakespeare):
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                    "--max_iters=4", "--eval_interval=2")
+    train.main([*args, "--stop_at=2"])
+    before = (tmp_path / "out" / "ckpt.pt").read_bytes()
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file") \
+            from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full)
+    capsys.readouterr()
+    line = one_line(train.main, [*args, "--init_from=resume"], capsys, monkeypatch)
+    assert line == f"error: could not write {tmp_path / 'out' / 'ckpt.pt'}: No space left on device; what was " \
+                   f"there before is intact (a run resumes from it with --init_from=resume)"
+    assert (tmp_path / "out" / "ckpt.pt").read_bytes() == before
+    assert [n for n in os.listdir(tmp_path / "out") if ".tmp" in n] == []
+
+
+@pytest.mark.parametrize("main,argv,message", [
+    (finetune.main, ["--steps", "100000"], "steps=100000 must be in 1..1024"),
+    (sample.main, ["--steps", "5000"], "steps=5000 must be at most 1024"),
+])
+def test_step_counts_are_bounded_where_the_flag_is_parsed(main, argv, message, capsys, monkeypatch):
+    assert message in one_line(main, argv, capsys, monkeypatch)
+
+
+def test_a_binary_prompt_file_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "binary.bin").write_bytes(bytes(range(128, 256)))
+    from test_sample import byte_model, save_model
+    path = save_model(tmp_path / "m.pt", byte_model())
+    line = one_line(sample.main, [f"--init_from={path}", f"--start=FILE:{tmp_path / 'binary.bin'}"], capsys,
+                    monkeypatch)
+    assert line == f"error: prompt file {tmp_path / 'binary.bin'} is not UTF-8 text"
