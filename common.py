@@ -11,6 +11,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import filelock
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -265,27 +266,28 @@ def file_hash(path):
 
 
 def lock(out_dir):
-    """Claim out_dir for this run: an flock on out_dir/.lock, held until the returned file is closed
-    or the process ends (a killed run leaves no stale lock). Then remove the temporary files that a
-    killed run left behind."""
-    import fcntl
+    """Claim out_dir for this run: a lock on out_dir/.lock through filelock (flock on Linux and
+    macOS, msvcrt on Windows), held until release() or the end of the process, so that a killed run
+    leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a run that is refused.
+    Then remove the temporary files that a killed run left behind."""
     os.makedirs(out_dir, exist_ok=True)
-    f = open(os.path.join(out_dir, ".lock"), "a+")
+    held = filelock.FileLock(os.path.join(out_dir, ".lock"), timeout=0)  # 0: one try, no waiting
+    pid_file = os.path.join(out_dir, ".lock.pid")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
+        held.acquire()
+    except filelock.Timeout:
+        holder = "another process"
+        if os.path.isfile(pid_file):
+            with open(pid_file) as f:
+                holder = f.read().strip() or holder
         raise UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it "
                         f"to finish or choose another --out_dir") from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()}")
-    f.flush()
+    with open(pid_file, "w") as f:
+        f.write(f"pid {os.getpid()}")
     for name in os.listdir(out_dir):
         if re.search(r"\.tmp\d*$", name):  # what save() and RunLog write before renaming
             os.remove(os.path.join(out_dir, name))
-    return f
+    return held
 
 
 class RunLog:

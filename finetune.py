@@ -147,7 +147,7 @@ def main(argv):
             save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable)
     finally:
         if lock:
-            lock.close()
+            lock.release()
         common.teardown()
 
 

@@ -391,7 +391,7 @@ def main(argv):
         fit(model, optimizer, cfg, env, data, extra, start, best)
     finally:
         if lock:
-            lock.close()
+            lock.release()
         common.teardown()
 
 
