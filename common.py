@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import UserError
+from configurator import ConfigError, UserError
 from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
 # -- processes and devices --------------------------------------------------------------------------
@@ -53,13 +53,19 @@ class Env:
 def setup(device="auto", dtype="auto", seed=1337):
     """Pick device and dtype, join the torchrun process group if there is one (NCCL on CUDA, gloo on
     CPU), and seed the RNG, the same on every rank so that every rank initialises the same model."""
+    mps = torch.backends.mps.is_available()  # Apple silicon's GPU
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("device='cuda' asked for, but torch sees no CUDA device; use --device=cpu")
+    if device == "mps" and not mps:
+        raise UserError("device='mps' asked for, but torch sees no Apple GPU (MPS); use --device=cpu")
     rank, local_rank, world_size = (int(os.environ.get(k, "1" if k == "WORLD_SIZE" else "0"))
                                     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if world_size > 1:
+        if device == "mps":
+            raise ConfigError("torchrun runs on CUDA GPUs (NCCL) or CPUs (gloo), not on MPS: use "
+                              "one process, or --device=cpu")  # ConfigError: one line, not one a rank
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
@@ -115,24 +121,31 @@ def gpu_peak(name):
 
 def peak_flops(env, given=0.0):
     """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
-    when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU) or 8192^2
-    (GPU) matmul in the run's dtype over half a second, with the run's threads."""
+    when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU), 4096^2 (MPS)
+    or 8192^2 (CUDA) matmul in the run's dtype over half a second, with the run's threads."""
     if given > 0:
         return given
     cuda = env.device.type == "cuda"
     if cuda and env.dtype == torch.bfloat16 and gpu_peak(torch.cuda.get_device_name(env.device)):
         return gpu_peak(torch.cuda.get_device_name(env.device))
-    n = 8192 if cuda else 2048
+    n = {"cuda": 8192, "mps": 4096}.get(env.device.type, 2048)
     a = torch.randn(n, n, device=env.device, dtype=env.dtype)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     best, start = 0.0, time.perf_counter()
     while time.perf_counter() - start < 0.5:
-        sync()
+        synchronize(env.device)
         t0 = time.perf_counter()
         a @ a
-        sync()
+        synchronize(env.device)  # a GPU runs the matmul after `a @ a` returns: wait for its end
         best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
     return best
+
+
+def synchronize(device):
+    """Wait until the device has run the work queued on it (CUDA and MPS run it asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -164,8 +177,10 @@ class Batches:
         starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size)
         window = np.stack([self.tokens[s:s + self.block_size + 1].astype(np.int64) for s in starts])
         xy = torch.from_numpy(window)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # pinned: the copy overlaps the GPU's work
             xy = xy.pin_memory().to(self.device, non_blocking=True)
+        else:  # the CPU (no copy), or Apple's GPU (MPS)
+            xy = xy.to(self.device)
         return xy[:, :-1], xy[:, 1:]
 
 

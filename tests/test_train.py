@@ -5,6 +5,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,6 +188,64 @@ def test_mfu_peaks(monkeypatch):
     real_matmul = torch.Tensor.__matmul__
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: sizes.append(a.shape) or real_matmul(a, b))
     assert common.peak_flops(env) > 0 and set(sizes) == {(2048, 2048)}
+
+
+# -- devices: CUDA, Apple silicon's GPU (MPS), the CPU --------------------------------------------
+# Neither CUDA nor MPS exists on the machine that runs these tests: torch's answers are mocked.
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """answer(cuda, mps, native_bf16): what torch answers about the GPUs from then on."""
+    for flag in (torch.backends.cuda.matmul, torch.backends.cudnn):  # setup sets them on CUDA
+        monkeypatch.setattr(flag, "allow_tf32", flag.allow_tf32)
+
+    def answer(cuda, mps, native_bf16=False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: native_bf16)
+    return answer
+
+
+@pytest.mark.parametrize("cuda,mps,native_bf16,device,dtype", [
+    (True, True, True, "cuda", torch.bfloat16),  # CUDA first, in bf16 where the GPU has it natively
+    (False, True, False, "mps", torch.float32),  # a Mac
+    (False, False, False, "cpu", torch.float32),
+])
+def test_auto_picks_cuda_then_mps_then_the_cpu(gpus, cuda, mps, native_bf16, device, dtype):
+    gpus(cuda, mps, native_bf16)
+    env = common.setup("auto", "auto")
+    assert (env.device.type, env.dtype) == (device, dtype)
+
+
+def test_a_device_that_is_not_there_is_one_line(gpus):
+    gpus(cuda=False, mps=False)
+    with pytest.raises(UserError, match="^device='mps' asked for, but torch sees no Apple GPU"):
+        common.setup("mps")
+    with pytest.raises(UserError, match="^device='cuda' asked for, but torch sees no CUDA device"):
+        common.setup("cuda")
+
+
+@pytest.mark.parametrize("device,module,n", [("cuda", torch.cuda, 8192), ("mps", torch.mps, 4096)])
+def test_the_peak_measurement_waits_for_the_gpu_it_times(monkeypatch, device, module, n):
+    """A GPU runs a matmul after `a @ a` has returned: every timed matmul sits between two
+    synchronisations of the device (the matmuls run small, on the CPU; the calls are recorded)."""
+    calls, sizes = [], []
+    real_randn, real_matmul = torch.randn, torch.Tensor.__matmul__
+    monkeypatch.setattr(module, "synchronize", lambda *device: calls.append("sync"))
+    monkeypatch.setattr(torch, "randn", lambda *shape, device, dtype: sizes.append(shape) or
+                        real_randn(8, 8, dtype=dtype))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append("matmul") or
+                        real_matmul(a, b))
+    assert common.peak_flops(common.Env(torch.device(device), torch.float32)) > 0
+    assert sizes == [(n, n)] and len(calls) >= 3
+    assert calls == ["sync", "matmul", "sync"] * (len(calls) // 3)
+
+
+def test_batches_go_to_the_device_of_the_run():
+    """Not only to a CUDA one: to MPS as well (the meta device stands in for it here)."""
+    tokens = np.arange(1000, dtype=np.uint16)
+    x, y = common.Batches(tokens, 8, 2, torch.device("meta"), 0, 0).get(0, 0)
+    assert x.device.type == y.device.type == "meta" and x.shape == (2, 8)
 
 
 def test_startup_summary_is_a_few_readable_lines(tmp_path, shakespeare, capsys):
