@@ -59,13 +59,14 @@ def setup(device="auto", dtype="auto", seed=1337):
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("device='cuda' asked for, but torch sees no CUDA device; use --device=cpu")
     if device == "mps" and not mps:
-        raise UserError("device='mps' asked for, but torch sees no Apple GPU (MPS); use --device=cpu")
+        raise UserError("device='mps' asked for, but torch sees no Apple GPU (MPS); use "
+                        "--device=cpu")
     rank, local_rank, world_size = (int(os.environ.get(k, "1" if k == "WORLD_SIZE" else "0"))
                                     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if world_size > 1:
-        if device == "mps":
+        if device == "mps":  # a ConfigError: every rank has it, rank 0 prints it
             raise ConfigError("torchrun runs on CUDA GPUs (NCCL) or CPUs (gloo), not on MPS: use "
-                              "one process, or --device=cpu")  # ConfigError: one line, not one a rank
+                              "one process, or --device=cpu")
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
