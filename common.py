@@ -1,6 +1,7 @@
 """
 What every script shares: the device and its precision, seeding, the process group under torchrun,
-the batch loader, checkpoint files, and one `load_model(path)` for any checkpoint this project writes.
+the batch loader, checkpoint files, the run lock, what a run prints and logs, and one
+`load_model(path)` for any checkpoint this project writes.
 """
 import contextlib
 import hashlib
@@ -306,6 +307,8 @@ def lock(out_dir):
     return held
 
 
+# -- what a run prints and logs --------------------------------------------------------------------
+
 class RunLog:
     """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0 and mirrored to
     wandb when asked. A fresh run starts a new file; a resumed one keeps the rows up to its
@@ -336,6 +339,30 @@ class RunLog:
     def close(self):
         if self.wandb:
             self.wandb.finish()
+
+
+def summary(model, cfg, env, data):
+    """train.py's run in a few readable lines, printed as it starts (the full configs go into every
+    checkpoint)."""
+    m, meta = model.cfg, prepare.load_meta(data)
+    depth = f"{m.n_layer} {m.solver} steps" if m.is_ode else f"{m.n_layer} layers"
+    hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
+    tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
+    system = [f"{env.world_size} process" + "es" * (env.world_size > 1)]
+    system += [cfg.parallel] * env.distributed + ["compiled"] * cfg.compile
+    system += ["activation checkpointing"] * m.checkpoint
+    return "\n".join([
+        f"model     {m.model_type} ({m.flavor} flavour), {model.num_params() / 1e6:,.2f}M "
+        f"parameters: {depth}, width {m.n_embd}, {m.n_head} heads, context {m.block_size}{hyper}, "
+        f"dropout {m.dropout}",
+        f"data      {data}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+        f"({meta['tokenizer']}, vocabulary {meta['vocab_size']:,})",
+        f"training  {cfg.max_iters:,} iterations of {tokens:,} tokens ({cfg.batch_size} sequences "
+        f"x {cfg.gradient_accumulation_steps} micro-steps), AdamW lr {cfg.learning_rate:g} -> "
+        f"{cfg.min_lr_ratio * cfg.learning_rate:g}, betas ({cfg.beta1}, {cfg.beta2}), weight "
+        f"decay {cfg.weight_decay:g}",
+        f"system    {env.device} {str(env.dtype).removeprefix('torch.')}, {', '.join(system)}; "
+        f"writing to {cfg.out_dir}/"])
 
 
 # -- what a model costs ------------------------------------------------------------------------------

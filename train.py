@@ -342,29 +342,6 @@ def model_config_for(mcfg, cfg, env, given, data):
     return saved, ckpt
 
 
-def summary(model, cfg, env, data):
-    """The run in a few readable lines (the full configs go into every checkpoint)."""
-    m, meta = model.cfg, prepare.load_meta(data)
-    depth = f"{m.n_layer} {m.solver} steps" if m.is_ode else f"{m.n_layer} layers"
-    hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
-    tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
-    system = [f"{env.world_size} process" + "es" * (env.world_size > 1)]
-    system += [cfg.parallel] * env.distributed + ["compiled"] * cfg.compile
-    system += ["activation checkpointing"] * m.checkpoint
-    return "\n".join([
-        f"model     {m.model_type} ({m.flavor} flavour), {model.num_params() / 1e6:,.2f}M "
-        f"parameters: {depth}, width {m.n_embd}, {m.n_head} heads, context {m.block_size}{hyper}, "
-        f"dropout {m.dropout}",
-        f"data      {data}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
-        f"({meta['tokenizer']}, vocabulary {meta['vocab_size']:,})",
-        f"training  {cfg.max_iters:,} iterations of {tokens:,} tokens ({cfg.batch_size} sequences "
-        f"x {cfg.gradient_accumulation_steps} micro-steps), AdamW lr {cfg.learning_rate:g} -> "
-        f"{cfg.min_lr_ratio * cfg.learning_rate:g}, betas ({cfg.beta1}, {cfg.beta2}), weight "
-        f"decay {cfg.weight_decay:g}",
-        f"system    {env.device} {str(env.dtype).removeprefix('torch.')}, {', '.join(system)}; "
-        f"writing to {cfg.out_dir}/"])
-
-
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
     if cfg.dry_run:  # reads no data: a byte model's vocabulary is known, a tiktoken one is GPT-2's
@@ -384,7 +361,7 @@ def main(argv):
         memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
-        env.print(summary(model, cfg, env, data))
+        env.print(common.summary(model, cfg, env, data))
         model, optimizer, start, best = setup_run(model, cfg, env, ckpt)
         extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
                      tokenizer=cfg.tokenizer)
