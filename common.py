@@ -6,11 +6,12 @@ the batch loader, checkpoint files, the run lock, what a run prints and logs, an
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import filelock
 import numpy as np
@@ -31,6 +32,13 @@ class Env:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    scaler: torch.amp.GradScaler = field(init=False)  # float16's loss scaling; off in other dtypes
+
+    def __post_init__(self):
+        # float16 (nanoGPT's GradScaler): the loss times a scale (65536 at first), so that small
+        # gradients do not flush to zero in fp16; a step whose gradients overflowed to inf or NaN
+        # is skipped and the scale halved, and after 2000 steps without one it doubles
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
 
     @property
     def master(self):
@@ -41,7 +49,7 @@ class Env:
         return self.world_size > 1
 
     def autocast(self):
-        """bf16 autocast on CUDA; plain fp32 elsewhere."""
+        """Autocast to the run's bf16 or fp16 (the parameters stay fp32); nothing in fp32."""
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
@@ -74,11 +82,15 @@ def setup(device="auto", dtype="auto", seed=1337):
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     device = torch.device(device)
-    if dtype == "auto":  # bf16 where the GPU has it natively (not V100 or T4, which only emulate it)
-        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        dtype = "bfloat16" if native_bf16 else "float32"
-    if dtype not in ("float32", "bfloat16"):
-        raise UserError(f"dtype={dtype!r}: use float32, bfloat16 or auto")
+    if dtype == "auto":  # bf16 where the GPU has it natively; fp16 on those that only emulate it
+        cuda = device.type == "cuda"  # (V100, T4, 20-series); fp32 on the CPU and MPS
+        native_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bfloat16" if native_bf16 else "float16" if cuda else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"dtype={dtype!r}: use float32, bfloat16, float16 or auto")
+    if dtype == "float16" and device.type == "mps":
+        raise UserError("dtype='float16' scales the loss with torch.amp.GradScaler, which runs on "
+                        "CUDA and the CPU; use --dtype=float32 on MPS")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -331,8 +343,10 @@ class RunLog:
 
     def __call__(self, row):
         if self.master:
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                      for k, v in row.items()}  # inf and NaN as null: JSON has neither
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(finite) + "\n")
             if self.wandb:
                 self.wandb.log(row, step=row["iter"])
 

@@ -8,11 +8,12 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     python train.py --convert=out-llama1b/ckpt_sharded      # -> out-llama1b/ckpt.pt
 
 nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main):
-gradient accumulation, bf16 autocast on CUDA, torch.compile, AdamW with warm-up and cosine decay
-(METHOD 7), a tqdm bar with loss, tokens/s and MFU, a JSONL log, atomic checkpoints, an exact
-`--init_from=resume`. What only the ODE needs: its weights once per optimizer step (train_step,
-METHOD 8.1), and step counts drawn per iteration for any depth (METHOD 8.2). Batches and dropout
-masks come from RNGs seeded by the iteration, the whole data position and RNG state of a run.
+gradient accumulation, bf16 autocast on CUDA (fp16 with loss scaling where a GPU lacks bf16),
+torch.compile, AdamW with warm-up and cosine decay (METHOD 7), a tqdm bar with loss, gradient norm,
+tokens/s and MFU, a JSONL log, atomic checkpoints, an exact `--init_from=resume`. What only the
+ODE needs: its weights once per optimizer step (train_step, METHOD 8.1), and step counts drawn per
+iteration for any depth (METHOD 8.2). Batches and dropout masks come from RNGs seeded by the
+iteration, the whole data position and RNG state of a run.
 Parallelism, the memory plan and sharded checkpoints are in scale/, one call each.
 """
 import dataclasses
@@ -70,7 +71,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     # system
     device: str = "auto"
-    dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
+    dtype: str = "auto"  # CUDA: bfloat16, or float16 without native bf16; CPU and MPS: float32
     compile: bool = False
     seed: int = 1337
     parallel: str = "ddp"  # under torchrun: "ddp" (replicated) or "fsdp" (FSDP2, sharded)
@@ -177,9 +178,10 @@ def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
 
 
 def train_step(model, optimizer, batches, it, cfg, env, gen=None):
-    """One optimizer step over this process's micro-steps; returns its mean loss (a tensor) and the
-    ODE step count it trained with. Dropout masks come from an RNG seeded by (seed, iteration,
-    rank), so that a resumed run repeats them."""
+    """One optimizer step over this process's micro-steps; returns its mean loss and the gradient
+    norm before clipping (tensors), the ODE step count it trained with, and whether float16's loss
+    scaling skipped the step. Dropout masks come from an RNG seeded by (seed, iteration, rank), so
+    that a resumed run repeats them."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
     steps, offsets = iteration_steps(it, cfg, raw.cfg)
@@ -199,7 +201,7 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
             with env.autocast():
                 offsets_ = None if weights else offsets  # generated with the weights, or in forward
                 _, loss = model(x, y, steps=steps, offsets=offsets_, weights=weights)
-            (loss / accum).backward()
+            env.scaler.scale(loss / accum).backward()  # float16: times the loss scale
         total += loss.detach() / accum
     if leaves:  # dL/dW of every micro-step, averaged over the processes, into the hypernetwork
         pairs = [(w, leaf.grad) for n in W for w, leaf in zip(W[n], leaves[n]) if w is not None]
@@ -210,11 +212,15 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
         torch.autograd.backward(*zip(*pairs))
     elif gen is not None:
         gen.backward()
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-    optimizer.step()
+    env.scaler.unscale_(optimizer)  # float16: divided by the scale again, before clipping
+    norm = parallel.grad_norm(raw)  # before clipping: logged
+    if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm)
+        torch.nn.utils.clip_grads_with_norm_(raw.parameters(), cfg.grad_clip, norm)
+    scale = env.scaler.get_scale()
+    env.scaler.step(optimizer)  # float16: skipped if a gradient is inf or NaN (else: a step)
+    env.scaler.update()  # float16: the scale halved after a skipped step
     optimizer.zero_grad(set_to_none=True)
-    return total, steps
+    return total, norm, steps, env.scaler.get_scale() < scale
 
 
 # -- the loop --------------------------------------------------------------------------------------
@@ -263,18 +269,22 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         lr = learning_rate(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        total, steps = train_step(model, optimizer, batches["train"], it, cfg, env, gen)
+        loss, norm, steps, skipped = train_step(model, optimizer, batches["train"], it, cfg,
+                                                env, gen)
         if env.distributed:
-            dist.all_reduce(total)
-            total /= env.world_size
-        total = total.item()
+            dist.all_reduce(loss)
+            loss /= env.world_size
+        loss, norm = loss.item(), norm.item()  # the norm is the same on every process
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
         mfu = common.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s / peak
-        bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%",
-                        lr=f"{lr:.1e}")
-        if it % cfg.log_interval == 0:
-            log(dict(iter=it, loss=total, lr=lr, tok_s=tok_s, mfu=mfu))
+        bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{norm:.3g}", tok_s=f"{tok_s:,.0f}",
+                        mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.1e}")
+        row = dict(iter=it, loss=loss, lr=lr, tok_s=tok_s, mfu=mfu, grad_norm=norm)
+        if env.scaler.is_enabled():  # float16: the loss scale, and every step it skipped
+            row.update(loss_scale=env.scaler.get_scale(), skipped=skipped)
+        if it % cfg.log_interval == 0 or skipped:
+            log(row)
     bar.close()
     log.close()
     return history

@@ -100,7 +100,7 @@ def convert_sharded(folder, dst=None):
 def save_run(model, optimizer, state, cfg, env, extra):
     """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP the folder out_dir/ckpt_sharded
     that every rank writes its own shards to."""
-    meta = {"kind": common.MODEL, **extra, **state}
+    meta = {"kind": common.MODEL, **extra, **state, "scaler": env.scaler.state_dict()}  # fp16's
     if parallel.sharded(cfg, env):
         save_sharded(model, optimizer, meta, os.path.join(cfg.out_dir, "ckpt_sharded"),
                                   state["iter_num"], env.master)
@@ -121,8 +121,11 @@ def load_run(cfg, env, kind=common.MODEL):
 
 
 def restore_run(model, optimizer, ckpt, cfg, env):
-    """Model and optimizer state into the built model, from `ckpt` or the sharded folder. A file
-    without optimizer state (converted from shards, or merged) resumes with a fresh AdamW state."""
+    """Model and optimizer state into the built model, from `ckpt` or the sharded folder, and float16's
+    loss scale. A file without optimizer state (converted from shards, or merged) resumes with a
+    fresh AdamW state."""
+    if ckpt.get("scaler"):  # a float16 run's (others save an empty one, and load none)
+        env.scaler.load_state_dict(ckpt["scaler"])
     if parallel.sharded(cfg, env):
         return load_sharded(model, optimizer, os.path.join(cfg.out_dir, "ckpt_sharded"))
     parallel.unwrap(model).load_state_dict(common.clean_state_dict(ckpt["model"]))

@@ -9,6 +9,8 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from configurator import ConfigError
+
 
 def sharded(cfg, env):
     """True when this run shards the model with FSDP2 (under torchrun with parallel="fsdp")."""
@@ -63,6 +65,9 @@ def build(model, cfg, env):
     """Compile, then shard (FSDP2) or replicate (DDP); a model built on the meta device is then
     allocated and initialised shard by shard. Returns the model to call (DDP's wrapper, or the model)."""
     raw = model
+    if sharded(cfg, env) and env.dtype == torch.float16:  # ConfigError: rank 0 prints it
+        raise ConfigError("FSDP2 runs compute in bfloat16 or float32 here (float16's loss scaling "
+                          "would have to agree across the shards): use --dtype=float32, or DDP")
     if cfg.compile:
         model.compile()
     if sharded(cfg, env):
@@ -80,6 +85,13 @@ def build(model, cfg, env):
         raw.to_empty(device=env.device)
         raw.init_weights(local=shard_rows)
     return model
+
+
+def grad_norm(model):
+    """The L2 norm of all of the model's gradients together, a tensor; under FSDP2 that of every
+    process's shards together (their norms are DTensors that full_tensor() reduces)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def sync(model, last, cfg, env):

@@ -1,5 +1,6 @@
 """train.py, configurator.py and common.py: the command line, real training, resuming, DDP and FSDP2."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import torch
 
 import common
 import train
-from scale import memory
+from scale import memory, parallel
 from configurator import ConfigError, UserError, parse_config
 from model import DiffEqFormer, ModelConfig
 
@@ -208,6 +209,7 @@ def gpus(monkeypatch):
 
 @pytest.mark.parametrize("cuda,mps,native_bf16,device,dtype", [
     (True, True, True, "cuda", torch.bfloat16),  # CUDA first, in bf16 where the GPU has it natively
+    (True, False, False, "cuda", torch.float16),  # V100, T4, 20-series: fp16 with loss scaling
     (False, True, False, "mps", torch.float32),  # a Mac
     (False, False, False, "cpu", torch.float32),
 ])
@@ -215,6 +217,7 @@ def test_auto_picks_cuda_then_mps_then_the_cpu(gpus, cuda, mps, native_bf16, dev
     gpus(cuda, mps, native_bf16)
     env = common.setup("auto", "auto")
     assert (env.device.type, env.dtype) == (device, dtype)
+    assert env.scaler.is_enabled() == (dtype == torch.float16)  # loss scaling in fp16 only
 
 
 def test_a_device_that_is_not_there_is_one_line(gpus):
@@ -223,6 +226,11 @@ def test_a_device_that_is_not_there_is_one_line(gpus):
         common.setup("mps")
     with pytest.raises(UserError, match="^device='cuda' asked for, but torch sees no CUDA device"):
         common.setup("cuda")
+    gpus(cuda=False, mps=True)
+    with pytest.raises(UserError, match="^dtype='float16' scales the loss with torch.amp.GradScaler"):
+        common.setup("mps", "float16")
+    with pytest.raises(UserError, match="^dtype='float8': use float32, bfloat16, float16 or auto$"):
+        common.setup("cpu", "float8")
 
 
 @pytest.mark.parametrize("device,module,n", [("cuda", torch.cuda, 8192), ("mps", torch.mps, 4096)])
@@ -246,6 +254,117 @@ def test_batches_go_to_the_device_of_the_run():
     tokens = np.arange(1000, dtype=np.uint16)
     x, y = common.Batches(tokens, 8, 2, torch.device("meta"), 0, 0).get(0, 0)
     assert x.device.type == y.device.type == "meta" and x.shape == (2, 8)
+
+
+# -- float16 with loss scaling (torch.amp.GradScaler), on the CPU: CUDA's path, with CPU kernels ---
+
+def float16_step(model, optimizer, cfg, env, it=0, overflow=False):
+    """train.train_step in float16 on the CPU; `overflow`: an inf in the backward."""
+    tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 2000).astype(np.uint16)
+    batches = common.Batches(tokens, model.cfg.block_size, 4, torch.device("cpu"), 1, 0)
+    hook = model.wte.weight.register_hook(lambda g: g * math.inf) if overflow else None
+    try:
+        return train.train_step(model, optimizer, batches, it, cfg, env)
+    finally:
+        if hook:
+            hook.remove()
+
+
+def test_float16_time_features_and_generated_weights_are_finite_at_the_papers_scale():
+    """t times the paper's time scale 1000 in fp16 would be off by up to 0.25 (fp16's spacing near
+    1000 is 0.5) and scramble the sinusoids; times and time features stay fp32 (model.time_dtype).
+    At GPT-small's shapes (width 768, d_t 20, S 128, 12 steps), the weights that the hypernetwork
+    generates in float16, under autocast and as an fp16 model, are finite and within fp16's
+    rounding of the fp32 ones."""
+    from conftest import from_config_file
+    mcfg = from_config_file("config/owt_gpt_small.py", vocab_size=64, block_size=16)
+    assert (mcfg.n_embd, mcfg.d_t, mcfg.time_freqs, mcfg.time_scale) == (768, 20, 128, 1000.0)
+    torch.manual_seed(0)
+    model = DiffEqFormer(mcfg)
+    with torch.no_grad():
+        want = model.hyper(model.times(12, "euler"))
+        with torch.autocast("cpu", dtype=torch.float16):
+            autocast = model.hyper(model.times(12, "euler"))
+        model.half()
+        ts = model.times(12, "euler")
+        assert ts.dtype == model.hyper.time_embedding(ts).dtype == torch.float32
+        half = model.hyper(ts)
+    for name, (W, b) in want.items():
+        for got in (autocast[name], half[name]):
+            assert got[0].dtype == torch.float16 and torch.isfinite(got[0]).all(), name
+            assert (got[0].float() - W).abs().max() <= 2e-3 * W.abs().max(), name
+            if b is not None:  # biases of ~1e-5 at init: fp16's subnormals, coarser
+                assert torch.isfinite(got[1]).all(), name
+                assert (got[1].float() - b).abs().max() <= 2e-2 * b.abs().max(), name
+
+
+def test_a_float16_step_with_an_inf_gradient_is_skipped_and_the_next_one_unscaled_and_clipped():
+    """GradScaler in train_step: an overflowing step leaves the weights as they were and halves
+    the scale; the next step's norm and update are those of the true (unscaled) gradients, clipped
+    after unscaling. SGD at lr 1: the update is minus the gradient the optimizer got."""
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=96, block_size=16,
+                                     d_t=8, time_freqs=8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = train.TrainConfig(gradient_accumulation_steps=2, grad_clip=0.0)
+    env = common.Env(torch.device("cpu"), torch.float16)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss, norm, _, skipped = float16_step(model, optimizer, cfg, env, overflow=True)
+    assert skipped and not torch.isfinite(norm) and torch.isfinite(loss)
+    assert env.scaler.get_scale() == 2.0 ** 15  # 65536, halved
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # no step taken
+
+    def update():
+        return torch.sqrt(sum(((start[n] - p.detach()).double() ** 2).sum()
+                              for n, p in model.named_parameters())).item()
+    _, norm, _, skipped = float16_step(model, optimizer, cfg, env, it=1)
+    assert not skipped and env.scaler.get_scale() == 2.0 ** 15
+    assert norm.item() == pytest.approx(update(), rel=1e-5)  # not 32768 times it
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    cfg.grad_clip = 0.1 * norm.item()  # clipped to a tenth, after unscaling
+    _, norm_again, _, _ = float16_step(model, optimizer, cfg, env, it=1)
+    assert norm_again.item() == pytest.approx(norm.item(), rel=1e-6)
+    assert update() == pytest.approx(cfg.grad_clip, rel=1e-5)
+
+
+def test_a_float16_run_logs_a_skipped_step_and_resumes_exactly_with_its_scale(tmp_path, shakespeare,
+                                                                               monkeypatch):
+    """A float16 run (on the CPU) whose iteration 3 overflows: the row of iteration 3 says it was
+    skipped, with a null norm, and the scale halves; stopped at 4 and resumed, the run goes on as
+    the uninterrupted one did, loss scale included (the checkpoint carries the scaler's state)."""
+    real_step = train.train_step
+
+    def overflow_at_3(model, optimizer, batches, it, cfg, env, gen=None):
+        hook = model.wte.weight.register_hook(lambda g: g * math.inf) if it == 3 else None
+        try:
+            return real_step(model, optimizer, batches, it, cfg, env, gen)
+        finally:
+            if hook:
+                hook.remove()
+    monkeypatch.setattr(train, "train_step", overflow_at_3)
+    shared = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=4", "--dtype=float16",
+              "--device=cpu", "--peak_flops=1e12", "--log_interval=2"]  # (fp16's CPU peak: minutes)
+    straight = {r["iter"]: r for r in run(tmp_path, *shared, out="a") if "loss" in r}
+    assert sorted(straight) == [0, 2, 3, 4, 6]  # every log_interval, and every skipped step
+    assert [it for it, r in straight.items() if r["skipped"]] == [3]
+    assert straight[3]["grad_norm"] is None and straight[2]["grad_norm"] > 0  # strict JSON: no inf
+    assert [straight[it]["loss_scale"] for it in (2, 3, 4)] == [65536.0, 32768.0, 32768.0]
+    run(tmp_path, *shared, "--stop_at=4", out="b")
+    assert common.load(str(tmp_path / "b" / "ckpt.pt"))["scaler"]["scale"] == 32768.0
+    resumed = {r["iter"]: r for r in run(tmp_path, *shared, "--init_from=resume", out="b") if "loss" in r}
+    for it in (4, 6):
+        assert resumed[it]["loss_scale"] == straight[it]["loss_scale"], it
+        assert resumed[it]["loss"] == pytest.approx(straight[it]["loss"], abs=1e-6), it
+        assert resumed[it]["grad_norm"] == pytest.approx(straight[it]["grad_norm"], rel=1e-6), it
+
+
+def test_float16_is_refused_under_fsdp_in_one_line():
+    env = common.Env(torch.device("cpu"), torch.float16, world_size=2)
+    with pytest.raises(ConfigError, match="^FSDP2 runs compute in bfloat16 or float32 here"):
+        parallel.build(DiffEqFormer(ModelConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                                block_size=8)), train.TrainConfig(parallel="fsdp"), env)
 
 
 def test_startup_summary_is_a_few_readable_lines(tmp_path, shakespeare, capsys):
