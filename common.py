@@ -323,11 +323,15 @@ def lock(out_dir):
 
 class RunLog:
     """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0 and mirrored to
-    wandb when asked. A fresh run starts a new file; a resumed one keeps the rows up to its
-    checkpoint (the evaluation at start_iter, not the training rows a killed run wrote after it)."""
+    wandb and TensorBoard (out_dir/tensorboard) when asked. A fresh run starts a new file; a
+    resumed one keeps the rows up to its checkpoint (the evaluation at start_iter, not the training
+    rows a killed run wrote after it), hides those in TensorBoard too, and goes on with the wandb
+    run of its checkpoint, `wandb_id` (kept in every checkpoint, as log.wandb_id)."""
 
-    def __init__(self, out_dir, start_iter, master, wandb_project=None, wandb_config=None):
-        self.path, self.master, self.wandb = os.path.join(out_dir, "log.jsonl"), master, None
+    def __init__(self, cfg, start_iter, master, config, wandb_id=None):
+        self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), master
+        self.wandb = self.tensorboard = None
+        self.wandb_id = wandb_id
         if master and os.path.exists(self.path):
             with open(self.path) as f:
                 rows = [line for line in f if line.strip() and start_iter > 0]
@@ -336,10 +340,16 @@ class RunLog:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)
-        if master and wandb_project:
+        if master and cfg.wandb:
             import wandb
-            wandb.init(project=wandb_project, config=wandb_config)
-            self.wandb = wandb
+            run = wandb.init(project=cfg.wandb_project, config=config, id=wandb_id, resume="allow")
+            self.wandb, self.wandb_id = wandb, run.id
+        if master and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            # TensorBoard hides what earlier runs logged from purge_step on: everything for a fresh
+            # run, what a killed run logged after the checkpoint (and its evaluation) for a resumed one
+            self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"),
+                                             purge_step=start_iter + 1 if start_iter else 0)
 
     def __call__(self, row):
         if self.master:
@@ -349,10 +359,15 @@ class RunLog:
                 f.write(json.dumps(finite) + "\n")
             if self.wandb:
                 self.wandb.log(row, step=row["iter"])
+            for key, value in row.items() if self.tensorboard else ():
+                if key != "iter":
+                    self.tensorboard.add_scalar(key, value, row["iter"])
 
     def close(self):
         if self.wandb:
             self.wandb.finish()
+        if self.tensorboard:
+            self.tensorboard.close()
 
 
 def summary(model, cfg, env, data):

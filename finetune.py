@@ -138,7 +138,8 @@ def main(argv):
                   f"({'LoRA r=%d' % fcfg.lora_rank if fcfg.lora else 'full'}): "
                   f"{trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)")
         extra = dict(model_config=model.cfg.to_dict(), train_config=asdict(cfg), finetune_config=asdict(fcfg),
-                     data=data, tokenizer=tokenizer, base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256)
+                     data=data, tokenizer=tokenizer, base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256,
+                     wandb_id=(run or {}).get("wandb_id"))  # a resumed run's wandb run goes on
         if fcfg.lora:
             extra["kind"] = common.LORA_RUN
         wrapped, optimizer, start, best = train.setup_run(model, cfg, env, run)

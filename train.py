@@ -49,8 +49,9 @@ class TrainConfig:
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
-    wandb: bool = False
+    wandb: bool = False  # mirror log.jsonl to wandb (pip install wandb); resume: the same run
     wandb_project: str = "diffeqformer"
+    tensorboard: bool = False  # mirror log.jsonl to out_dir/tensorboard (pip install tensorboard)
     # data (see prepare.py); input_file / val_file point any dataset name at local text
     dataset: str = "shakespeare"
     tokenizer: str = "byte"
@@ -213,8 +214,8 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
     elif gen is not None:
         gen.backward()
     env.scaler.unscale_(optimizer)  # float16: divided by the scale again, before clipping
-    norm = parallel.grad_norm(raw)  # before clipping: logged
-    if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
+    if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm); norm: logged, unclipped
         torch.nn.utils.clip_grads_with_norm_(raw.parameters(), cfg.grad_clip, norm)
     scale = env.scaler.get_scale()
     env.scaler.step(optimizer)  # float16: skipped if a gradient is inf or NaN (else: a step)
@@ -239,8 +240,8 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     hyper_params = sum(p.numel() for n, p in raw.named_parameters() if n.startswith("hyper."))
     per_generation = tokens_per_iter // env.world_size if once else cfg.batch_size * mcfg.block_size
     peak = common.peak_flops(env, cfg.peak_flops) * env.world_size
-    log = common.RunLog(cfg.out_dir, start_iter, env.master, cfg.wandb and cfg.wandb_project,
-                        {**asdict(cfg), **mcfg.to_dict()})
+    log = common.RunLog(cfg, start_iter, env.master, {**asdict(cfg), **mcfg.to_dict()},
+                        extra.get("wandb_id"))
     history = []
     model.train()
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
@@ -259,7 +260,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
                           f"{row['val_loss']:.4f}, val perplexity {row['val_ppl']:.2f}")
             best_val_loss = min(best_val_loss, losses["val"])
         if evaluating and it > start_iter:
-            state = dict(iter_num=it, best_val_loss=best_val_loss)
+            state = dict(iter_num=it, best_val_loss=best_val_loss, wandb_id=log.wandb_id)
             checkpoint.save_run(model, optimizer, state, cfg, env, extra)
             if env.master:
                 plots.loss_curve(log.path, os.path.join(cfg.out_dir, "loss.png"))
@@ -274,7 +275,8 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         if env.distributed:
             dist.all_reduce(loss)
             loss /= env.world_size
-        loss, norm = loss.item(), norm.item()  # the norm is the same on every process
+        loss, norm = loss.item(), norm.item()  # the norm: the same on every process (FSDP2: a
+        # replicated DTensor, the norm of every process's shards together)
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
         mfu = common.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s / peak
@@ -296,8 +298,9 @@ def check_launch(cfg, mcfg):
     """What the config alone decides, checked before any data, model or process group is touched.
     Returns the config, gradient_accumulation_steps rounded up to a multiple of the processes."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("--wandb needs the wandb package: pip install wandb")
+    for package in ("wandb", "tensorboard"):  # the optional mirrors of log.jsonl
+        if getattr(cfg, package) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--{package} needs the {package} package: pip install {package}")
     if (cfg.train_steps or cfg.time_jitter) and not mcfg.is_ode:
         raise ConfigError(f"--train_steps and --time_jitter train an ODE; a {mcfg.model_type} "
                           f"model has fixed layers")
@@ -373,8 +376,9 @@ def main(argv):
             model = DiffEqFormer(mcfg)
         env.print(common.summary(model, cfg, env, data))
         model, optimizer, start, best = setup_run(model, cfg, env, ckpt)
+        resumed = ckpt if cfg.init_from == "resume" else {}  # its wandb run goes on
         extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
-                     tokenizer=cfg.tokenizer)
+                     tokenizer=cfg.tokenizer, wandb_id=resumed.get("wandb_id"))
         fit(model, optimizer, cfg, env, data, extra, start, best)
     finally:
         if lock:

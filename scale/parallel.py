@@ -87,13 +87,6 @@ def build(model, cfg, env):
     return model
 
 
-def grad_norm(model):
-    """The L2 norm of all of the model's gradients together, a tensor; under FSDP2 that of every
-    process's shards together (their norms are DTensors that full_tensor() reduces)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
 def sync(model, last, cfg, env):
     """Skip the gradient all-reduce on every micro-step but the last (DDP: no_sync covers forward and
     backward; FSDP2: set_requires_gradient_sync)."""

@@ -1,9 +1,12 @@
 """train.py, configurator.py and common.py: the command line, real training, resuming, DDP and FSDP2."""
+import importlib.machinery
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,6 +134,8 @@ def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
     rows = run(tmp_path, f"--input_file={shakespeare}", "--max_iters=50", "--eval_interval=50")
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0] - 0.5
+    norms = [r["grad_norm"] for r in rows if "loss" in r]  # in every training row
+    assert len(norms) == 50 and all(n > 0 for n in norms)
     assert os.path.getsize(tmp_path / "out" / "loss.png") > 5000
     ckpt = common.load(str(tmp_path / "out" / "ckpt.pt"))
     assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
@@ -394,6 +399,64 @@ def test_learning_rate_schedule():
     assert train.learning_rate(1000, cfg) == pytest.approx(0.1)
 
 
+# -- what a run logs: log.jsonl, wandb, TensorBoard ------------------------------------------------
+
+def fake_wandb(monkeypatch):
+    """A stand-in for the wandb package: [init's arguments] and [(step, row) logged]."""
+    inits, logged = [], []
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec finds it
+
+    def init(project, config, id=None, resume=None):
+        inits.append(dict(project=project, id=id, resume=resume))
+        return types.SimpleNamespace(id=id or f"run-{len(inits)}")
+    wandb.init, wandb.finish = init, lambda: None
+    wandb.log = lambda row, step: logged.append((step, row))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    return inits, logged
+
+
+def test_wandb_goes_on_with_the_run_of_the_checkpoint_when_resuming(tmp_path, shakespeare,
+                                                                    monkeypatch):
+    inits, logged = fake_wandb(monkeypatch)
+    shared = [f"--input_file={shakespeare}", "--max_iters=4", "--eval_interval=2", "--wandb"]
+    run(tmp_path, *shared, "--stop_at=2")
+    path = str(tmp_path / "out" / "ckpt.pt")
+    assert common.load(path)["wandb_id"] == "run-1" and inits[0]["id"] is None
+    run(tmp_path, *shared, "--init_from=resume")
+    assert inits[1] == dict(project="diffeqformer", id="run-1", resume="allow")
+    assert common.load(path)["wandb_id"] == "run-1"
+    run(tmp_path, *shared, f"--init_from={path}", out="other")  # its weights, not its run
+    assert inits[2]["id"] is None and common.load(str(tmp_path / "other" / "ckpt.pt"))["wandb_id"] == "run-3"
+    assert all("grad_norm" in row for _, row in logged if "loss" in row)
+    assert [step for step, row in logged if "loss" in row] == [0, 1, 2, 3] * 2
+
+
+def test_tensorboard_mirrors_the_log_and_hides_what_a_killed_run_logged(tmp_path, shakespeare):
+    pytest.importorskip("tensorboard")  # optional: not in requirements.txt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    shared = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=2", "--tensorboard"]
+    run(tmp_path, *shared, "--stop_at=2")
+    folder = str(tmp_path / "out" / "tensorboard")
+    with SummaryWriter(folder) as killed:  # what a run killed after its checkpoint at 2 logged
+        for it in (3, 4, 5):
+            killed.add_scalar("loss", 99.0, it)
+    rows = run(tmp_path, *shared, "--init_from=resume", "--stop_at=3")
+    events = EventAccumulator(folder)
+    events.Reload()
+    for key in ("loss", "grad_norm", "lr", "val_loss"):
+        shown = {e.step: e.value for e in events.Scalars(key)}
+        assert shown == pytest.approx({r["iter"]: r[key] for r in rows if key in r}, rel=1e-6), key
+
+
+def test_a_missing_optional_package_is_one_line(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    for package in ("tensorboard", "wandb"):
+        with pytest.raises(ConfigError, match=f"^--{package} needs the {package} package: pip install {package}$"):
+            train.main([f"--{package}"])
+
+
 # -- distributed, on CPU with gloo -----------------------------------------------------------------
 
 def torchrun(tmp_path, *args, out):
@@ -416,6 +479,8 @@ def test_two_processes_match_one(tmp_path, shakespeare, parallel):
     assert single[-1]["val_loss"] == pytest.approx(double[-1]["val_loss"], abs=1e-4)
     for it in a:
         assert a[it] == pytest.approx(b[it], abs=1e-4), it
+    for one, two in zip(*[[r for r in rows if "loss" in r] for rows in (single, double)]):
+        assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)  # FSDP2: every shard's
     # the DDP checkpoint, or the sharded one converted to a single file, loads into a plain model
     # and holds the weights that one process trained
     path = str(tmp_path / "two" / "ckpt.pt")
