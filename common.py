@@ -76,6 +76,9 @@ def setup(device="auto", dtype="auto", seed=1337):
         if device == "mps":  # a ConfigError: every rank has it, rank 0 prints it
             raise ConfigError("torchrun runs on CUDA GPUs (NCCL) or CPUs (gloo), not on MPS: use "
                               "one process, or --device=cpu")
+        if device.startswith("cuda") and not dist.is_nccl_available():  # Windows' torch
+            raise ConfigError("torchrun on CUDA GPUs needs NCCL, which this torch lacks (Windows): "
+                              "train on one GPU, or on CPUs with --device=cpu")
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)

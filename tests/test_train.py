@@ -238,6 +238,19 @@ def test_a_device_that_is_not_there_is_one_line(gpus):
         common.setup("cpu", "float8")
 
 
+@pytest.mark.parametrize("cuda,mps,message", [
+    (True, False, "^torchrun on CUDA GPUs needs NCCL, which this torch lacks"),  # Windows' torch
+    (False, True, "^torchrun runs on CUDA GPUs \\(NCCL\\) or CPUs \\(gloo\\), not on MPS"),
+])
+def test_torchrun_where_it_cannot_run_is_one_line(gpus, monkeypatch, cuda, mps, message):
+    gpus(cuda, mps)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=message):
+        common.setup("auto")
+
+
 @pytest.mark.parametrize("device,module,n", [("cuda", torch.cuda, 8192), ("mps", torch.mps, 4096)])
 def test_the_peak_measurement_waits_for_the_gpu_it_times(monkeypatch, device, module, n):
     """A GPU runs a matmul after `a @ a` has returned: every timed matmul sits between two
