@@ -349,8 +349,8 @@ class RunLog:
             self.wandb, self.wandb_id = wandb, run.id
         if master and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            # TensorBoard hides what earlier runs logged from purge_step on: everything for a fresh
-            # run, what a killed run logged after the checkpoint (and its evaluation) for a resumed one
+            # TensorBoard hides what earlier runs logged at purge_step and after: all of it for a
+            # fresh run; for a resumed one, what a killed run logged after the checkpoint's step
             self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"),
                                              purge_step=start_iter + 1 if start_iter else 0)
 
@@ -362,8 +362,8 @@ class RunLog:
                 f.write(json.dumps(finite) + "\n")
             if self.wandb:
                 self.wandb.log(row, step=row["iter"])
-            for key, value in row.items() if self.tensorboard else ():
-                if key != "iter":
+            for key, value in row.items():
+                if self.tensorboard and key != "iter":
                     self.tensorboard.add_scalar(key, value, row["iter"])
 
     def close(self):

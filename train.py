@@ -275,8 +275,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         if env.distributed:
             dist.all_reduce(loss)
             loss /= env.world_size
-        loss, norm = loss.item(), norm.item()  # the norm: the same on every process (FSDP2: a
-        # replicated DTensor, the norm of every process's shards together)
+        loss, norm = loss.item(), norm.item()  # the norm: every process's (FSDP2: all shards')
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
         mfu = common.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s / peak

@@ -133,7 +133,8 @@ def test_train_step_clips_the_gradient_of_all_parameters():
     for clip in (0.25 * raw_norm, 4 * raw_norm, 0.0):  # clipped, a clip that does not bite, none
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        _, norm, _, _ = one_training_step(model, optimizer, batches, train.TrainConfig(grad_clip=clip))
+        cfg = train.TrainConfig(grad_clip=clip)
+        _, norm, _, _ = one_training_step(model, optimizer, batches, cfg)
         assert norm.item() == pytest.approx(raw_norm, rel=1e-12)  # the norm before clipping, logged
         clip = clip or math.inf
         scale = min(1.0, clip / raw_norm)
