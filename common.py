@@ -22,7 +22,7 @@ import prepare
 from configurator import ConfigError, UserError
 from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
-# -- processes and devices --------------------------------------------------------------------------
+# -- processes and devices -------------------------------------------------------------------------
 
 
 @dataclass
@@ -111,7 +111,7 @@ def on_master(env, fn, what):
         except Exception as e:
             error = e
     if env.distributed:
-        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL sends CUDA tensors only
+        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL: CUDA tensors only
         dist.broadcast(flag, 0)
         if flag.item() and error is None:
             raise UserError(f"rank 0 could not {what}")
@@ -125,7 +125,7 @@ def teardown():
         dist.destroy_process_group()
 
 
-# Dense bf16 tensor-core FLOP/s by GPU name (without sparsity); the first key found in the name wins.
+# Dense bf16 tensor-core FLOP/s by GPU name (without sparsity); the first key in the name wins.
 GPU_PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                  ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
                  ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12))
@@ -137,9 +137,9 @@ def gpu_peak(name):
 
 
 def peak_flops(env, given=0.0):
-    """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
-    when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU), 4096^2 (MPS)
-    or 8192^2 (CUDA) matmul in the run's dtype over half a second, with the run's threads."""
+    """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16
+    peak when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU), 4096^2
+    (MPS) or 8192^2 (CUDA) matmul in the run's dtype over half a second, with the run's threads."""
     if given > 0:
         return given
     cuda = env.device.type == "cuda"
@@ -165,7 +165,7 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
-# -- data ---------------------------------------------------------------------------------------------
+# -- data ------------------------------------------------------------------------------------------
 
 def prepare_data(cfg, env):
     """The prepared token folder for cfg.dataset; rank 0 prepares it, the others wait."""
@@ -178,9 +178,9 @@ def prepare_data(cfg, env):
 class Batches:
     """Random (x, y) windows of block_size tokens from a memmapped token file.
 
-    Stateless: the batch for (iteration, micro-step, rank) comes from an RNG seeded by those numbers,
-    so a resumed run continues exactly where it stopped (no batch is replayed), and K processes with
-    one micro-step each see the same examples as one process with K micro-steps."""
+    Stateless: the batch for (iteration, micro-step, rank) comes from an RNG seeded by those
+    numbers, so a resumed run continues exactly where it stopped (no batch is replayed), and K
+    processes with one micro-step each see the same examples as one process with K micro-steps."""
 
     def __init__(self, tokens, block_size, batch_size, device, seed, split_id):
         if len(tokens) <= block_size + 1:
@@ -201,7 +201,7 @@ class Batches:
         return xy[:, :-1], xy[:, 1:]
 
 
-# -- checkpoint files -----------------------------------------------------------------------------------
+# -- checkpoint files ------------------------------------------------------------------------------
 # A kill at any moment leaves the last complete checkpoint loadable: a file is written under a
 # temporary name and renamed over the old one (FSDP runs' sharded folders: scale/checkpoint.py).
 
@@ -397,7 +397,7 @@ def summary(model, cfg, env, data):
         f"writing to {cfg.out_dir}/"])
 
 
-# -- what a model costs ------------------------------------------------------------------------------
+# -- what a model costs ----------------------------------------------------------------------------
 
 def block_params(mcfg):
     """Parameters of one block's weights (what one solver step multiplies with)."""
