@@ -1,17 +1,20 @@
 """
 What every script shares: the device and its precision, seeding, the process group under torchrun,
-the batch loader, checkpoint files, and one `load_model(path)` for any checkpoint this project writes.
+the batch loader, checkpoint files, the run lock, what a run prints and logs, and one
+`load_model(path)` for any checkpoint this project writes.
 """
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import signal
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import filelock
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -20,7 +23,7 @@ import prepare
 from configurator import ConfigError, UserError, make_dir
 from model import SOLVERS, DiffEqFormer, ModelConfig, block_shapes
 
-# -- processes and devices --------------------------------------------------------------------------
+# -- processes and devices -------------------------------------------------------------------------
 
 
 @dataclass
@@ -30,6 +33,13 @@ class Env:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    scaler: torch.amp.GradScaler = field(init=False)  # float16's loss scaling; off in other dtypes
+
+    def __post_init__(self):
+        # float16 (nanoGPT's GradScaler): the loss times a scale (65536 at first), so that small
+        # gradients do not flush to zero in fp16; a step whose gradients overflowed to inf or NaN
+        # is skipped and the scale halved, and after 2000 steps without one it doubles
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
 
     @property
     def master(self):
@@ -40,7 +50,7 @@ class Env:
         return self.world_size > 1
 
     def autocast(self):
-        """bf16 autocast on CUDA; plain fp32 elsewhere."""
+        """Autocast to the run's bf16 or fp16 (the parameters stay fp32); nothing in fp32."""
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
@@ -53,24 +63,38 @@ class Env:
 def setup(device="auto", dtype="auto", seed=1337):
     """Pick device and dtype, join the torchrun process group if there is one (NCCL on CUDA, gloo on
     CPU), and seed the RNG, the same on every rank so that every rank initialises the same model."""
+    mps = torch.backends.mps.is_available()  # Apple silicon's GPU
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("device='cuda' asked for, but torch sees no CUDA device; use --device=cpu")
+    if device == "mps" and not mps:
+        raise UserError("device='mps' asked for, but torch sees no Apple GPU (MPS); use "
+                        "--device=cpu")
     rank, local_rank, world_size = (int(os.environ.get(k, "1" if k == "WORLD_SIZE" else "0"))
                                     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if world_size > 1:
+        if device == "mps":  # a ConfigError: every rank has it, rank 0 prints it
+            raise ConfigError("torchrun runs on CUDA GPUs (NCCL) or CPUs (gloo), not on MPS: use "
+                              "one process, or --device=cpu")
+        if device.startswith("cuda") and not dist.is_nccl_available():  # Windows' torch
+            raise ConfigError("torchrun on CUDA GPUs needs NCCL, which this torch lacks (Windows): "
+                              "train on one GPU, or on CPUs with --device=cpu")
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     device = torch.device(device)
-    if dtype == "auto":  # bf16 where the GPU has it natively (not V100 or T4, which only emulate it)
-        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        dtype = "bfloat16" if native_bf16 else "float32"
-    if dtype not in ("float32", "bfloat16"):
-        raise UserError(f"dtype={dtype!r}: use float32, bfloat16 or auto")
+    if dtype == "auto":  # bf16 where the GPU has it natively; fp16 on those that only emulate it
+        cuda = device.type == "cuda"  # (V100, T4, 20-series); fp32 on the CPU and MPS
+        native_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bfloat16" if native_bf16 else "float16" if cuda else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"dtype={dtype!r}: use float32, bfloat16, float16 or auto")
+    if dtype == "float16" and device.type == "mps":
+        raise UserError("dtype='float16' scales the loss with torch.amp.GradScaler, which runs on "
+                        "CUDA and the CPU; use --dtype=float32 on MPS")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -88,7 +112,7 @@ def on_master(env, fn, what):
         except Exception as e:
             error = e
     if env.distributed:
-        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL sends CUDA tensors only
+        flag = torch.tensor(int(error is not None), device=env.device)  # NCCL: CUDA tensors only
         dist.broadcast(flag, 0)
         if flag.item() and error is None:  # rank 0 says why
             raise ConfigError(f"rank 0 could not {what}")
@@ -102,7 +126,7 @@ def teardown():
         dist.destroy_process_group()
 
 
-# Dense bf16 tensor-core FLOP/s by GPU name (without sparsity); the first key found in the name wins.
+# Dense bf16 tensor-core FLOP/s by GPU name (without sparsity); the first key in the name wins.
 GPU_PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                  ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
                  ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12))
@@ -114,28 +138,35 @@ def gpu_peak(name):
 
 
 def peak_flops(env, given=0.0):
-    """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
-    when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU) or 8192^2
-    (GPU) matmul in the run's dtype over half a second, with the run's threads."""
+    """The peak FLOP/s of one device, for MFU: `given` if set (--peak_flops); a known GPU's bf16
+    peak when training in bf16; otherwise measured here, as the best rate of a 2048^2 (CPU), 4096^2
+    (MPS) or 8192^2 (CUDA) matmul in the run's dtype over half a second, with the run's threads."""
     if given > 0:
         return given
     cuda = env.device.type == "cuda"
     if cuda and env.dtype == torch.bfloat16 and gpu_peak(torch.cuda.get_device_name(env.device)):
         return gpu_peak(torch.cuda.get_device_name(env.device))
-    n = 8192 if cuda else 2048
+    n = {"cuda": 8192, "mps": 4096}.get(env.device.type, 2048)
     a = torch.randn(n, n, device=env.device, dtype=env.dtype)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     best, start = 0.0, time.perf_counter()
     while time.perf_counter() - start < 0.5:
-        sync()
+        synchronize(env.device)
         t0 = time.perf_counter()
         a @ a
-        sync()
+        synchronize(env.device)  # a GPU runs the matmul after `a @ a` returns: wait for its end
         best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
     return best
 
 
-# -- data ---------------------------------------------------------------------------------------------
+def synchronize(device):
+    """Wait until the device has run the work queued on it (CUDA and MPS run it asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+# -- data ------------------------------------------------------------------------------------------
 
 def prepare_data(cfg, env):
     """The prepared token folder for cfg.dataset; rank 0 prepares it, the others wait."""
@@ -148,9 +179,9 @@ def prepare_data(cfg, env):
 class Batches:
     """Random (x, y) windows of block_size tokens from a memmapped token file.
 
-    Stateless: the batch for (iteration, micro-step, rank) comes from an RNG seeded by those numbers,
-    so a resumed run continues exactly where it stopped (no batch is replayed), and K processes with
-    one micro-step each see the same examples as one process with K micro-steps."""
+    Stateless: the batch for (iteration, micro-step, rank) comes from an RNG seeded by those
+    numbers, so a resumed run continues exactly where it stopped (no batch is replayed), and K
+    processes with one micro-step each see the same examples as one process with K micro-steps."""
 
     def __init__(self, tokens, block_size, batch_size, device, seed, split_id):
         if len(tokens) <= block_size + 1:
@@ -164,12 +195,14 @@ class Batches:
         starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size)
         window = np.stack([self.tokens[s:s + self.block_size + 1].astype(np.int64) for s in starts])
         xy = torch.from_numpy(window)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # pinned: the copy overlaps the GPU's work
             xy = xy.pin_memory().to(self.device, non_blocking=True)
+        else:  # the CPU (no copy), or Apple's GPU (MPS)
+            xy = xy.to(self.device)
         return xy[:, :-1], xy[:, 1:]
 
 
-# -- checkpoint files -----------------------------------------------------------------------------------
+# -- checkpoint files ------------------------------------------------------------------------------
 # A kill at any moment leaves the last complete checkpoint loadable: a file is written under a
 # temporary name and renamed over the old one (FSDP runs' sharded folders: scale/checkpoint.py).
 
@@ -276,35 +309,43 @@ def file_hash(path):
 
 
 def lock(out_dir):
-    """Claim out_dir for this run: an flock on out_dir/.lock, held until the returned file is closed
-    or the process ends (a killed run leaves no stale lock). Then remove the temporary files that a
-    killed run left behind."""
-    import fcntl
-    f = open(os.path.join(make_dir(out_dir, "out_dir"), ".lock"), "a+")
+    """Claim out_dir for this run: a lock on out_dir/.lock through filelock (flock on Linux and
+    macOS, msvcrt on Windows), held until release() or the end of the process, so that a killed run
+    leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a run that is refused.
+    Then remove the temporary files that a killed run left behind."""
+    make_dir(out_dir, "out_dir")
+    held = filelock.FileLock(os.path.join(out_dir, ".lock"), timeout=0)  # 0: one try, no waiting
+    pid_file = os.path.join(out_dir, ".lock.pid")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
+        held.acquire()
+    except filelock.Timeout:
+        holder = "another process"
+        if os.path.isfile(pid_file):
+            with open(pid_file) as f:
+                holder = f.read().strip() or holder
         raise UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it "
                         f"to finish or choose another --out_dir") from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()}")
-    f.flush()
+    with open(pid_file, "w") as f:
+        f.write(f"pid {os.getpid()}")
     for name in os.listdir(out_dir):
         if re.search(r"\.tmp\d*$", name):  # what save() and RunLog write before renaming
             os.remove(os.path.join(out_dir, name))
-    return f
+    return held
 
+
+# -- what a run prints and logs --------------------------------------------------------------------
 
 class RunLog:
     """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0 and mirrored to
-    wandb when asked. A fresh run starts a new file; a resumed one keeps the rows up to its
-    checkpoint (the evaluation at start_iter, not the training rows a killed run wrote after it)."""
+    wandb and TensorBoard (out_dir/tensorboard) when asked. A fresh run starts a new file; a
+    resumed one keeps the rows up to its checkpoint (the evaluation at start_iter, not the training
+    rows a killed run wrote after it), hides those in TensorBoard too, and goes on with the wandb
+    run of its checkpoint, `wandb_id` (kept in every checkpoint, as log.wandb_id)."""
 
-    def __init__(self, out_dir, start_iter, master, wandb_project=None, wandb_config=None):
-        self.path, self.master, self.wandb = os.path.join(out_dir, "log.jsonl"), master, None
+    def __init__(self, cfg, start_iter, master, config, wandb_id=None):
+        self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), master
+        self.wandb = self.tensorboard = None
+        self.wandb_id = wandb_id
         if master and os.path.exists(self.path):
             with open(self.path) as f:
                 rows = [line for line in f if line.strip() and start_iter > 0]
@@ -313,21 +354,58 @@ class RunLog:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)
-        if master and wandb_project:
+        if master and cfg.wandb:
             import wandb
-            wandb.init(project=wandb_project, config=wandb_config)
-            self.wandb = wandb
+            run = wandb.init(project=cfg.wandb_project, config=config, id=wandb_id, resume="allow")
+            self.wandb, self.wandb_id = wandb, run.id
+        if master and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            # TensorBoard hides what earlier runs logged at purge_step and after: all of it for a
+            # fresh run; for a resumed one, what a killed run logged after the checkpoint's step
+            self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"),
+                                             purge_step=start_iter + 1 if start_iter else 0)
 
     def __call__(self, row):
         if self.master:
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                      for k, v in row.items()}  # inf and NaN as null: JSON has neither
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(finite) + "\n")
             if self.wandb:
                 self.wandb.log(row, step=row["iter"])
+            for key, value in row.items():
+                if self.tensorboard and key != "iter":
+                    self.tensorboard.add_scalar(key, value, row["iter"])
 
     def close(self):
         if self.wandb:
             self.wandb.finish()
+        if self.tensorboard:
+            self.tensorboard.close()
+
+
+def summary(model, cfg, env, data):
+    """train.py's run in a few readable lines, printed as it starts (the full configs go into every
+    checkpoint)."""
+    m, meta = model.cfg, prepare.load_meta(data)
+    depth = f"{m.n_layer} {m.solver} steps" if m.is_ode else f"{m.n_layer} layers"
+    hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
+    tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
+    system = [f"{env.world_size} process" + "es" * (env.world_size > 1)]
+    system += [cfg.parallel] * env.distributed + ["compiled"] * cfg.compile
+    system += ["activation checkpointing"] * m.checkpoint
+    return "\n".join([
+        f"model     {m.model_type} ({m.flavor} flavour), {model.num_params() / 1e6:,.2f}M "
+        f"parameters: {depth}, width {m.n_embd}, {m.n_head} heads, context {m.block_size}{hyper}, "
+        f"dropout {m.dropout}",
+        f"data      {data}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+        f"({meta['tokenizer']}, vocabulary {meta['vocab_size']:,})",
+        f"training  {cfg.max_iters:,} iterations of {tokens:,} tokens ({cfg.batch_size} sequences "
+        f"x {cfg.gradient_accumulation_steps} micro-steps), AdamW lr {cfg.learning_rate:g} -> "
+        f"{cfg.min_lr_ratio * cfg.learning_rate:g}, betas ({cfg.beta1}, {cfg.beta2}), weight "
+        f"decay {cfg.weight_decay:g}",
+        f"system    {env.device} {str(env.dtype).removeprefix('torch.')}, {', '.join(system)}; "
+        f"writing to {cfg.out_dir}/"])
 
 
 class Interrupt:
@@ -354,7 +432,8 @@ class Interrupt:
         signal.signal(signal.SIGINT, self.previous)
 
 
-# -- what a model costs ------------------------------------------------------------------------------
+
+# -- what a model costs ----------------------------------------------------------------------------
 
 def block_params(mcfg):
     """Parameters of one block's weights (what one solver step multiplies with)."""

@@ -1,19 +1,19 @@
 """
-Adaptive fine-tuning (METHOD 5): a pretrained DiffEqFormer becomes a transformer of ANY depth, because
-depth is a solver step count. Materialise the ODE at N' Euler steps, then fine-tune it, fully or
-with LoRA, on new data.
+Adaptive fine-tuning (METHOD 5): a pretrained DiffEqFormer becomes a transformer of ANY depth,
+because depth is a solver step count. Materialise the ODE at N' Euler steps, then fine-tune it,
+fully or with LoRA, on new data.
 
-    python finetune.py --steps 9 --lora               # the default checkpoint (out/ckpt.pt) on WikiText-2
+    python finetune.py --steps 9 --lora              # out/ckpt.pt (the default) on WikiText-2
     python finetune.py config/finetune_owt_to_wt103.py --init_from=out-pretrain18/ckpt.pt --steps 12
-    python finetune.py --merge=out-finetune/adapters.pt   # adapters + base -> one ordinary checkpoint
+    python finetune.py --merge=out-finetune/adapters.pt  # adapters + base -> an ordinary checkpoint
 
 The default target is WikiText-2, a different corpus from the default pretraining text (tiny
 Shakespeare), as the paper fine-tunes on a different corpus than it pretrained on. The training loop
 is train.py's `fit`; all of train.py's options apply (DDP under torchrun too), and
 `--init_from=resume` continues the fine-tuning run in out_dir.
 
-LoRA is lora.py's (minLoRA's): a parametrization of each target nn.Linear's weight, W + (alpha/r) B A
-with B zero-initialised, so the model starts exactly at the materialised weights.
+LoRA is lora.py's (minLoRA's): a parametrization of each target nn.Linear's weight,
+W + (alpha/r) B A with B zero-initialised, so the model starts exactly at the materialised weights.
 """
 import json
 import os
@@ -35,9 +35,9 @@ class FinetuneConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    lora_targets: str = "all"  # block linears to adapt, by name (attn, proj, fc, fc2 / gate, up, down), or all
+    lora_targets: str = "all"  # linears to adapt (attn, proj, fc, fc2 / gate, up, down), or all
     merge: str = ""  # an adapters file to merge into its base checkpoint, instead of training
-    merge_base: str = ""  # with --merge: the base checkpoint, if it moved since the adapters were trained
+    merge_base: str = ""  # with --merge: the base checkpoint, if it moved since the adapters' run
 
     def __post_init__(self):
         if not 0 <= self.steps <= MAX_STEPS:
@@ -47,7 +47,7 @@ class FinetuneConfig:
             raise ValueError(f"lora_rank={self.lora_rank} must be at least 1")
 
 
-RUNTIME_KEYS = ("dropout", "checkpoint")  # model options that fine-tuning may set; the shape is the checkpoint's
+RUNTIME_KEYS = ("dropout", "checkpoint")  # what fine-tuning may set; the shape is the checkpoint's
 
 
 def load_base(path, steps, device, **overrides):
@@ -61,14 +61,16 @@ def load_base(path, steps, device, **overrides):
 
 
 def adapters_file(model, fcfg, base_path, base_sha256, steps):
-    return dict(kind=common.ADAPTERS, rank=fcfg.lora_rank, alpha=fcfg.lora_alpha, dropout=fcfg.lora_dropout,
-                targets=fcfg.lora_targets, steps=steps, base_checkpoint=os.path.abspath(base_path),
-                base_sha256=base_sha256, adapters=lora.lora_state_dict(model))
+    return dict(kind=common.ADAPTERS, rank=fcfg.lora_rank, alpha=fcfg.lora_alpha,
+                dropout=fcfg.lora_dropout, targets=fcfg.lora_targets, steps=steps,
+                base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256,
+                adapters=lora.lora_state_dict(model))
 
 
 def merged_checkpoint(model, base_ckpt, extra):
-    return {"kind": common.MODEL, **extra, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
-            "optimizer": None, "tokenizer": base_ckpt.get("tokenizer", "byte"), "iter_num": 0, "best_val_loss": None}
+    return {"kind": common.MODEL, **extra, "model_config": model.cfg.to_dict(),
+            "model": model.state_dict(), "optimizer": None,
+            "tokenizer": base_ckpt.get("tokenizer", "byte"), "iter_num": 0, "best_val_loss": None}
 
 
 def merge_file(path, base_path=None):
@@ -87,19 +89,23 @@ def check_options(mcfg, fcfg, cfg, given):
     if fcfg.merge:
         return cfg
     if cfg.init_from == "scratch":
-        raise ConfigError("finetune.py starts from a checkpoint: --init_from=PATH (or resume, to continue a fine-tuning run)")
+        raise ConfigError("finetune.py starts from a checkpoint: --init_from=PATH (or resume, to "
+                          "continue a fine-tuning run)")
     if cfg.parallel == "fsdp":
-        raise ConfigError("finetune.py runs under DDP (--parallel=ddp): a materialised model is the size of a GPT, and "
-                          "its adapters are saved from one unsharded copy")
+        raise ConfigError("finetune.py runs under DDP (--parallel=ddp): a materialised model is "
+                          "the size of a GPT, and its adapters are saved from one unsharded copy")
     if "n_layer" in given:
-        raise ConfigError("--n_layer: the fine-tuned depth is --steps N (the layers of the materialised ODE)")
+        raise ConfigError("--n_layer: the fine-tuned depth is --steps N (the layers of the "
+                          "materialised ODE)")
     if mcfg.solver != "euler":
-        raise ConfigError(f"--solver={mcfg.solver}: a materialised model is the Euler discretisation of the ODE "
-                          f"(METHOD 5); fine-tune at another depth with --steps N")
-    shape = sorted(k for k in given if k in ModelConfig.__dataclass_fields__ and k not in (*RUNTIME_KEYS, "solver"))
+        raise ConfigError(f"--solver={mcfg.solver}: a materialised model is the Euler "
+                          f"discretisation of the ODE (METHOD 5); fine-tune at another depth with "
+                          f"--steps N")
+    shape = sorted(k for k in given if k in ModelConfig.__dataclass_fields__
+                   and k not in (*RUNTIME_KEYS, "solver"))
     if shape:
-        raise ConfigError(f"--{shape[0]}: the model's shape comes from the checkpoint; fine-tuning may set only "
-                          f"{', '.join('--' + k for k in RUNTIME_KEYS)} and --steps")
+        raise ConfigError(f"--{shape[0]}: the model's shape comes from the checkpoint; fine-tuning "
+                          f"may set only {', '.join('--' + k for k in RUNTIME_KEYS)} and --steps")
     return train.check_launch(cfg, mcfg)
 
 
@@ -115,31 +121,38 @@ def main(argv):
     try:
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         run = None
-        if cfg.init_from == "resume":  # continue the fine-tuning run in out_dir: its base, steps and LoRA settings
+        if cfg.init_from == "resume":  # out_dir's fine-tuning run: its base, steps, LoRA settings
             run = train.load_run(cfg, env, kind=(common.LORA_RUN, common.MODEL))
             if "finetune_config" not in run:
-                raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: resume it with train.py")
+                raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: "
+                                f"resume it with train.py")
             fcfg = FinetuneConfig(**run["finetune_config"])
             lora.check_base(run["base_checkpoint"], run["base_sha256"])
         base_path = run["base_checkpoint"] if run else cfg.init_from
         overrides = {k: getattr(mcfg, k) for k in RUNTIME_KEYS if k in given}
         model, base_ckpt = load_base(base_path, fcfg.steps, env.device, **overrides)
-        base_sha256 = run["base_sha256"] if run else common.on_master(env, lambda: common.file_hash(base_path), "read the base")
+        base_sha256 = run["base_sha256"] if run else common.on_master(
+            env, lambda: common.file_hash(base_path), "read the base")
         steps = model.cfg.n_layer
         tokenizer = base_ckpt.get("tokenizer", cfg.tokenizer)
         if "tokenizer" in given and cfg.tokenizer != tokenizer:
-            raise UserError(f"--tokenizer={cfg.tokenizer} differs from the checkpoint's tokenizer ({tokenizer})")
+            raise UserError(f"--tokenizer={cfg.tokenizer} differs from the checkpoint's tokenizer "
+                            f"({tokenizer})")
         cfg = train.TrainConfig(**{**asdict(cfg), "tokenizer": tokenizer})
         data = common.prepare_data(cfg, env)
         if fcfg.lora:
-            lora.add_lora(model, fcfg.lora_rank, fcfg.lora_alpha, fcfg.lora_dropout, fcfg.lora_targets)
+            lora.add_lora(model, fcfg.lora_rank, fcfg.lora_alpha, fcfg.lora_dropout,
+                          fcfg.lora_targets)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         env.print(f"fine-tuning {base_path} as a {steps}-layer transformer "
                   f"({'LoRA r=%d' % fcfg.lora_rank if fcfg.lora else 'full'}): "
-                  f"{trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)")
-        extra = dict(model_config=model.cfg.to_dict(), train_config=asdict(cfg), finetune_config=asdict(fcfg),
-                     data=data, tokenizer=tokenizer, base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256)
+                  f"{trainable:,} of {total:,} parameters trainable "
+                  f"({100 * trainable / total:.2f}%)")
+        extra = dict(model_config=model.cfg.to_dict(), train_config=asdict(cfg),
+                     finetune_config=asdict(fcfg), data=data, tokenizer=tokenizer,
+                     base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256,
+                     wandb_id=(run or {}).get("wandb_id"))  # a resumed run's wandb run goes on
         if fcfg.lora:
             extra["kind"] = common.LORA_RUN
         wrapped, optimizer, start, best = train.setup_run(model, cfg, env, run)
@@ -148,27 +161,33 @@ def main(argv):
             save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable)
     finally:
         if lock:
-            lock.close()
+            lock.release()
         common.teardown()
 
 
 def save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable):
     """adapters.pt (LoRA; full fine-tuning leaves fit's ckpt.pt), and results.json with the
-    validation loss before and after fine-tuning (from the run's log, which a resumed run extends)."""
-    history = [row for row in map(json.loads, open(os.path.join(cfg.out_dir, "log.jsonl"))) if "val_loss" in row]
-    path = os.path.join(cfg.out_dir, "adapters.pt" if fcfg.lora else "ckpt.pt")  # full: fit's ordinary checkpoint
+    validation loss before and after fine-tuning (from the run's log, which a resumed run
+    extends)."""
+    with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
+        history = [row for row in map(json.loads, f) if "val_loss" in row]
+    path = os.path.join(cfg.out_dir, "adapters.pt" if fcfg.lora else "ckpt.pt")  # full: fit's
     if fcfg.lora:
-        common.save(adapters_file(model, fcfg, extra["base_checkpoint"], extra["base_sha256"], steps), path)
+        adapters = adapters_file(model, fcfg, extra["base_checkpoint"], extra["base_sha256"], steps)
+        common.save(adapters, path)
     before, after = history[0], history[-1]
-    results = dict(base_checkpoint=extra["base_checkpoint"], base_model_type=base_ckpt["model_config"]["model_type"],
-                   steps=steps, lora=fcfg.lora, lora_rank=fcfg.lora_rank if fcfg.lora else None, dataset=cfg.dataset,
-                   trainable_params=trainable, iters=after["iter"], saved=path,
+    results = dict(base_checkpoint=extra["base_checkpoint"],
+                   base_model_type=base_ckpt["model_config"]["model_type"], steps=steps,
+                   lora=fcfg.lora, lora_rank=fcfg.lora_rank if fcfg.lora else None,
+                   dataset=cfg.dataset, trainable_params=trainable, iters=after["iter"], saved=path,
                    before=dict(val_loss=before["val_loss"], val_ppl=before["val_ppl"]),
-                   after=dict(val_loss=after["val_loss"], val_ppl=after["val_ppl"]), history=history)
+                   after=dict(val_loss=after["val_loss"], val_ppl=after["val_ppl"]),
+                   history=history)
     with open(os.path.join(cfg.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"validation perplexity {before['val_ppl']:.2f} -> {after['val_ppl']:.2f}; saved {path} and "
-          f"{os.path.join(cfg.out_dir, 'results.json')} (curve: {os.path.join(cfg.out_dir, 'loss.png')})")
+    print(f"validation perplexity {before['val_ppl']:.2f} -> {after['val_ppl']:.2f}; saved {path} "
+          f"and {os.path.join(cfg.out_dir, 'results.json')} (curve: "
+          f"{os.path.join(cfg.out_dir, 'loss.png')})")
 
 
 if __name__ == "__main__":

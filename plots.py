@@ -42,7 +42,7 @@ def loss_curve(log_path, png_path):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, style, label in (("loss", "-", "training batches"), ("train_loss", "--", "train (evaluation)"),
                               ("val_loss", "o-", "validation")):
-        pts = [(r["iter"], r[key]) for r in rows if key in r]
+        pts = [(r["iter"], r[key]) for r in rows if r.get(key) is not None]  # null: inf or NaN
         if pts:
             ax.plot(*zip(*pts), style, label=label, alpha=0.7 if key == "loss" else 1.0)
     ax.set_xlabel("iteration")

@@ -216,12 +216,11 @@ def main(argv):
     ids = encode_prompt(read_prompt(cfg.start), tok, model.cfg.vocab_size)
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
     decode = torch.compile(decode_one_token, fullgraph=True) if cfg.compile else decode_one_token
-    sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     with env.autocast():
         y = generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, cfg.top_p,
                      steps, solver, decode)
-    sync()
+    common.synchronize(env.device)  # a GPU (CUDA, MPS) may still be computing
     dt = time.perf_counter() - t0
     for row in y.tolist():
         print(tok.decode([i for i in row if i < tok.vocab_size]))  # padded vocabulary ids: no text

@@ -8,11 +8,12 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     python train.py --convert=out-llama1b/ckpt_sharded      # -> out-llama1b/ckpt.pt
 
 nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main):
-gradient accumulation, bf16 autocast on CUDA, torch.compile, AdamW with warm-up and cosine decay
-(METHOD 7), a tqdm bar with loss, tokens/s and MFU, a JSONL log, atomic checkpoints, an exact
-`--init_from=resume`. What only the ODE needs: its weights once per optimizer step (train_step,
-METHOD 8.1), and step counts drawn per iteration for any depth (METHOD 8.2). Batches and dropout
-masks come from RNGs seeded by the iteration, the whole data position and RNG state of a run.
+gradient accumulation, bf16 autocast on CUDA (fp16 with loss scaling where a GPU lacks bf16),
+torch.compile, AdamW with warm-up and cosine decay (METHOD 7), a tqdm bar with loss, gradient norm,
+tokens/s and MFU, a JSONL log, atomic checkpoints, an exact `--init_from=resume`. What only the
+ODE needs: its weights once per optimizer step (train_step, METHOD 8.1), and step counts drawn per
+iteration for any depth (METHOD 8.2). Batches and dropout masks come from RNGs seeded by the
+iteration, the whole data position and RNG state of a run.
 Parallelism, the memory plan and sharded checkpoints are in scale/, one call each.
 """
 import dataclasses
@@ -48,8 +49,9 @@ class TrainConfig:
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
-    wandb: bool = False
+    wandb: bool = False  # mirror log.jsonl to wandb (pip install wandb); resume: the same run
     wandb_project: str = "diffeqformer"
+    tensorboard: bool = False  # mirror log.jsonl to out_dir/tensorboard (pip install tensorboard)
     # data (see prepare.py); input_file / val_file point any dataset name at local text
     dataset: str = "shakespeare"
     tokenizer: str = "byte"
@@ -70,7 +72,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     # system
     device: str = "auto"
-    dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
+    dtype: str = "auto"  # CUDA: bfloat16, or float16 without native bf16; CPU and MPS: float32
     compile: bool = False
     seed: int = 1337
     parallel: str = "ddp"  # under torchrun: "ddp" (replicated) or "fsdp" (FSDP2, sharded)
@@ -167,8 +169,10 @@ def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
 
 
 def train_step(model, optimizer, batches, it, cfg, env, gen=None):
-    """One optimizer step over this process's micro-steps: (mean loss tensor, ODE step count).
-    Dropout masks come from an RNG seeded by (seed, iteration, rank): resuming repeats them."""
+    """One optimizer step over this process's micro-steps; returns its mean loss and the gradient
+    norm before clipping (tensors), the ODE step count it trained with, and whether float16's loss
+    scaling skipped the step. Dropout masks come from an RNG seeded by (seed, iteration, rank), so
+    that a resumed run repeats them."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
     steps, offsets = iteration_steps(it, cfg, raw.cfg)
@@ -188,7 +192,7 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
             with env.autocast():
                 offsets_ = None if weights else offsets  # generated with the weights, or in forward
                 _, loss = model(x, y, steps=steps, offsets=offsets_, weights=weights)
-            (loss / accum).backward()
+            env.scaler.scale(loss / accum).backward()  # float16: times the loss scale
         total += loss.detach() / accum
     if leaves:  # dL/dW of every micro-step, averaged over the processes, into the hypernetwork
         pairs = [(w, leaf.grad) for n in W for w, leaf in zip(W[n], leaves[n]) if w is not None]
@@ -199,11 +203,15 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
         torch.autograd.backward(*zip(*pairs))
     elif gen is not None:
         gen.backward()
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-    optimizer.step()
+    env.scaler.unscale_(optimizer)  # float16: divided by the scale again, before clipping
+    norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
+    if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm); norm: logged, unclipped
+        torch.nn.utils.clip_grads_with_norm_(raw.parameters(), cfg.grad_clip, norm)
+    scale = env.scaler.get_scale()
+    env.scaler.step(optimizer)  # float16: skipped if a gradient is inf or NaN (else: a step)
+    env.scaler.update()  # float16: the scale halved after a skipped step
     optimizer.zero_grad(set_to_none=True)
-    return total, steps
+    return total, norm, steps, env.scaler.get_scale() < scale
 
 
 # -- the loop --------------------------------------------------------------------------------------
@@ -221,8 +229,8 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     hyper_params = sum(p.numel() for n, p in raw.named_parameters() if n.startswith("hyper."))
     per_generation = tokens_per_iter // env.world_size if once else cfg.batch_size * mcfg.block_size
     peak = common.peak_flops(env, cfg.peak_flops) * env.world_size
-    log = common.RunLog(cfg.out_dir, start_iter, env.master, cfg.wandb and cfg.wandb_project,
-                        {**asdict(cfg), **mcfg.to_dict()})
+    log = common.RunLog(cfg, start_iter, env.master, {**asdict(cfg), **mcfg.to_dict()},
+                        extra.get("wandb_id"))
     history, interrupt = [], common.Interrupt(env)
     model.train()
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
@@ -242,7 +250,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
             best_val_loss = min(best_val_loss, losses["val"])
         stop = it < end and interrupt.asked()  # Ctrl-C: save this iteration, stop; twice: at once
         if (evaluating and it > start_iter) or stop:
-            state = dict(iter_num=it, best_val_loss=best_val_loss)
+            state = dict(iter_num=it, best_val_loss=best_val_loss, wandb_id=log.wandb_id)
             checkpoint.save_run(model, optimizer, state, cfg, env, extra)
             if env.master:
                 plots.loss_curve(log.path, os.path.join(cfg.out_dir, "loss.png"))
@@ -255,18 +263,22 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         lr = learning_rate(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        total, steps = train_step(model, optimizer, batches["train"], it, cfg, env, gen)
+        loss, norm, steps, skipped = train_step(model, optimizer, batches["train"], it, cfg,
+                                                env, gen)
         if env.distributed:
-            dist.all_reduce(total)
-            total /= env.world_size
-        total = total.item()
+            dist.all_reduce(loss)
+            loss /= env.world_size
+        loss, norm = loss.item(), norm.item()  # the norm: every process's (FSDP2: all shards')
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
         mfu = common.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s / peak
-        bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%",
-                        lr=f"{lr:.1e}")
-        if it % cfg.log_interval == 0:
-            log(dict(iter=it, loss=total, lr=lr, tok_s=tok_s, mfu=mfu))
+        bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{norm:.3g}", tok_s=f"{tok_s:,.0f}",
+                        mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.1e}")
+        row = dict(iter=it, loss=loss, lr=lr, tok_s=tok_s, mfu=mfu, grad_norm=norm)
+        if env.scaler.is_enabled():  # float16: the loss scale, and every step it skipped
+            row.update(loss_scale=env.scaler.get_scale(), skipped=skipped)
+        if it % cfg.log_interval == 0 or skipped:
+            log(row)
     bar.close()
     log.close()
     interrupt.close()
@@ -279,8 +291,9 @@ def check_launch(cfg, mcfg):
     """What the config alone decides, checked before any data, model or process group is touched.
     Returns the config, gradient_accumulation_steps rounded up to a multiple of the processes."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("--wandb needs the wandb package: pip install wandb")
+    for package in ("wandb", "tensorboard"):  # the optional mirrors of log.jsonl
+        if getattr(cfg, package) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--{package} needs the {package} package: pip install {package}")
     if (cfg.train_steps or cfg.time_jitter) and not mcfg.is_ode:
         raise ConfigError(f"--train_steps and --time_jitter train an ODE; a {mcfg.model_type} "
                           f"model has fixed layers")
@@ -334,29 +347,6 @@ def model_config_for(mcfg, cfg, env, given, data):
     return saved, ckpt
 
 
-def summary(model, cfg, env, data):
-    """The run in a few readable lines (the full configs go into every checkpoint)."""
-    m, meta = model.cfg, prepare.load_meta(data)
-    depth = f"{m.n_layer} {m.solver} steps" if m.is_ode else f"{m.n_layer} layers"
-    hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
-    tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
-    system = [f"{env.world_size} process" + "es" * (env.world_size > 1)]
-    system += [cfg.parallel] * env.distributed + ["compiled"] * cfg.compile
-    system += ["activation checkpointing"] * m.checkpoint
-    return "\n".join([
-        f"model     {m.model_type} ({m.flavor} flavour), {model.num_params() / 1e6:,.2f}M "
-        f"parameters: {depth}, width {m.n_embd}, {m.n_head} heads, context {m.block_size}{hyper}, "
-        f"dropout {m.dropout}",
-        f"data      {data}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
-        f"({meta['tokenizer']}, vocabulary {meta['vocab_size']:,})",
-        f"training  {cfg.max_iters:,} iterations of {tokens:,} tokens ({cfg.batch_size} sequences "
-        f"x {cfg.gradient_accumulation_steps} micro-steps), AdamW lr {cfg.learning_rate:g} -> "
-        f"{cfg.min_lr_ratio * cfg.learning_rate:g}, betas ({cfg.beta1}, {cfg.beta2}), weight "
-        f"decay {cfg.weight_decay:g}",
-        f"system    {env.device} {str(env.dtype).removeprefix('torch.')}, {', '.join(system)}; "
-        f"writing to {cfg.out_dir}/"])
-
-
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
     if cfg.tokenizer == "byte" and "vocab_size" not in given:  # known before any data is read
@@ -379,14 +369,15 @@ def main(argv):
         memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
-        env.print(summary(model, cfg, env, data))
+        env.print(common.summary(model, cfg, env, data))
         model, optimizer, start, best = setup_run(model, cfg, env, ckpt)
+        resumed = ckpt if cfg.init_from == "resume" else {}  # its wandb run goes on
         extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
-                     tokenizer=cfg.tokenizer)
+                     tokenizer=cfg.tokenizer, wandb_id=resumed.get("wandb_id"))
         fit(model, optimizer, cfg, env, data, extra, start, best)
     finally:
         if lock:
-            lock.close()
+            lock.release()
         common.teardown()
 
 

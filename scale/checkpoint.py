@@ -33,7 +33,8 @@ def clean(folder):
     """Remove everything in `folder` but LATEST and the checkpoint it names (what a kill left)."""
     if not os.path.isdir(folder):
         return
-    keep = os.path.basename(latest_sharded(folder)) if os.path.isfile(os.path.join(folder, "LATEST")) else None
+    pointer = os.path.isfile(os.path.join(folder, "LATEST"))
+    keep = os.path.basename(latest_sharded(folder)) if pointer else None
     for name in os.listdir(folder):
         if name not in (keep, "LATEST"):
             path = os.path.join(folder, name)
@@ -44,14 +45,16 @@ def save_sharded(model, optimizer, meta, folder, iteration, master):
     """Every rank writes its own shards into folder/iter_K; rank 0 writes meta.pt, then points
     LATEST at the new folder, then removes the others."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
     name = f"iter_{iteration:07d}"
     target = os.path.join(folder, name)
     if master:
-        clean(folder)  # an incomplete earlier attempt, at this iteration or another (LATEST never named it)
+        clean(folder)  # an incomplete earlier attempt, at this iteration or another (not in LATEST)
     dist.barrier()
     dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(target, "model"))
-    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(target, "optimizer"))
+    dcp.save(get_optimizer_state_dict(model, optimizer),
+             checkpoint_id=os.path.join(target, "optimizer"))
     dist.barrier()
     if master:
         common.save(meta, os.path.join(target, "meta.pt"))
@@ -65,10 +68,12 @@ def save_sharded(model, optimizer, meta, folder, iteration, master):
 
 
 def load_sharded(model, optimizer, folder):
-    """Load the latest sharded checkpoint of `folder` into the FSDP-wrapped model and its optimizer."""
+    """Load the latest sharded checkpoint of `folder` into the FSDP-wrapped model and optimizer."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
     path = latest_sharded(folder)
     msd = get_model_state_dict(model)
     dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
@@ -100,17 +105,19 @@ def convert_sharded(folder, dst=None):
 def save_run(model, optimizer, state, cfg, env, extra):
     """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP the folder out_dir/ckpt_sharded
     that every rank writes its own shards to."""
-    meta = {"kind": common.MODEL, **extra, **state}
+    scaler = env.scaler.state_dict()  # float16's loss scale (empty in other dtypes)
+    meta = {"kind": common.MODEL, **extra, **state, "scaler": scaler}
     if parallel.sharded(cfg, env):
         save_sharded(model, optimizer, meta, os.path.join(cfg.out_dir, "ckpt_sharded"),
-                                  state["iter_num"], env.master)
+                     state["iter_num"], env.master)
     elif env.master:
-        common.save({**meta, "model": parallel.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()},
-                    os.path.join(cfg.out_dir, "ckpt.pt"))
+        common.save({**meta, "model": parallel.unwrap(model).state_dict(),
+                     "optimizer": optimizer.state_dict()}, os.path.join(cfg.out_dir, "ckpt.pt"))
 
 
 def load_run(cfg, env, kind=common.MODEL):
-    """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no weights)."""
+    """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no
+    weights)."""
     folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
     if parallel.sharded(cfg, env):
         return common.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
@@ -121,14 +128,18 @@ def load_run(cfg, env, kind=common.MODEL):
 
 
 def restore_run(model, optimizer, ckpt, cfg, env):
-    """Model and optimizer state into the built model, from `ckpt` or the sharded folder. A file
-    without optimizer state (converted from shards, or merged) resumes with a fresh AdamW state."""
+    """Model and optimizer state into the built model, from `ckpt` or the sharded folder, and
+    float16's loss scale. A file without optimizer state (converted from shards, or merged) resumes
+    with a fresh AdamW state."""
+    if ckpt.get("scaler"):  # a float16 run's (others save an empty one, and load none)
+        env.scaler.load_state_dict(ckpt["scaler"])
     if parallel.sharded(cfg, env):
         return load_sharded(model, optimizer, os.path.join(cfg.out_dir, "ckpt_sharded"))
     parallel.unwrap(model).load_state_dict(common.clean_state_dict(ckpt["model"]))
     if ckpt.get("optimizer") is None:
-        env.print("note: the checkpoint holds no optimizer state (a converted or merged file): AdamW "
-                  "starts afresh, so the run continues but does not reproduce an uninterrupted one")
+        env.print("note: the checkpoint holds no optimizer state (a converted or merged file): "
+                  "AdamW starts afresh, so the run continues but does not reproduce an "
+                  "uninterrupted one")
     else:
         optimizer.load_state_dict(ckpt["optimizer"])
 

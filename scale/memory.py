@@ -166,9 +166,12 @@ def print_plan(model, phase, plan, total, mcfg, cfg, world, dtype):
 
 
 def device_memory_gib(env):
-    """Memory one process may plan for: its GPU's, or on CPU the machine's RAM shared by its processes."""
+    """Memory one process may plan for: its GPU's, or the machine's RAM shared by its processes (the
+    CPU, and MPS, whose memory is the RAM); unbounded on Windows, which has no os.sysconf."""
     if env.device.type == "cuda":
         return torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30
+    if not hasattr(os, "sysconf"):  # Windows: the standard library cannot tell its RAM
+        return math.inf
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ram / int(os.environ.get("LOCAL_WORLD_SIZE", 1)) / 2 ** 30
 

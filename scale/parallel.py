@@ -9,6 +9,8 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from configurator import ConfigError
+
 
 def sharded(cfg, env):
     """True when this run shards the model with FSDP2 (under torchrun with parallel="fsdp")."""
@@ -26,8 +28,10 @@ def unwrap(model):
 
 
 def fsdp_units(model):
-    """The repeated units FSDP2 shards one by one: the hypernetwork's weight functions, or the layers."""
-    units = model.hyper.children() if model.cfg.model_type == "diffeq" else getattr(model, "layers", [])
+    """The repeated units FSDP2 shards one by one: the hypernetwork's weight functions, or the
+    layers."""
+    diffeq = model.cfg.model_type == "diffeq"
+    units = model.hyper.children() if diffeq else getattr(model, "layers", [])
     return [u for u in units if any(True for _ in u.parameters())]
 
 
@@ -37,7 +41,8 @@ def mixed_precision(env):
     if env.dtype == torch.float32:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    return MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32,
+                                cast_forward_inputs=False)
 
 
 def shard(model, mp_policy=None):
@@ -61,14 +66,19 @@ def shard_rows(p):
 
 def build(model, cfg, env):
     """Compile, then shard (FSDP2) or replicate (DDP); a model built on the meta device is then
-    allocated and initialised shard by shard. Returns the model to call (DDP's wrapper, or the model)."""
+    allocated and initialised shard by shard. Returns the model to call (DDP's wrapper, or the
+    model)."""
     raw = model
+    if sharded(cfg, env) and env.dtype == torch.float16:  # ConfigError: rank 0 prints it
+        raise ConfigError("FSDP2 runs compute in bfloat16 or float32 here (float16's loss scaling "
+                          "would have to agree across the shards): use --dtype=float32, or DDP")
     if cfg.compile:
         model.compile()
     if sharded(cfg, env):
-        # weights generated once per step never run the hypernetwork's units through FSDP2 (weightgen
-        # gathers W in bf16 and reduces dL/dW in fp32 itself); a policy on them would only trip FSDP2's
-        # post-backward on parameters it never unsharded (torch 2.13, with gradient sync off)
+        # weights generated once per step never run the hypernetwork's units through FSDP2
+        # (weightgen gathers W in bf16 and reduces dL/dW in fp32 itself); a policy on them would
+        # only trip FSDP2's post-backward on parameters it never unsharded (torch 2.13, with
+        # gradient sync off)
         model = shard(model, None if generates_once(raw, cfg) else mixed_precision(env))
     elif env.distributed:
         DDP = torch.nn.parallel.DistributedDataParallel
@@ -83,8 +93,8 @@ def build(model, cfg, env):
 
 
 def sync(model, last, cfg, env):
-    """Skip the gradient all-reduce on every micro-step but the last (DDP: no_sync covers forward and
-    backward; FSDP2: set_requires_gradient_sync)."""
+    """Skip the gradient all-reduce on every micro-step but the last (DDP: no_sync covers forward
+    and backward; FSDP2: set_requires_gradient_sync)."""
     if sharded(cfg, env):
         model.set_requires_gradient_sync(last)
     elif env.distributed and not last:

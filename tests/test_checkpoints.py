@@ -133,8 +133,41 @@ def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
         with pytest.raises(UserError, match="is in use by a run that is still going"):
             common.lock(str(tmp_path / "out"))
     finally:
-        held.close()
-    common.lock(str(tmp_path / "out")).close()  # free again once the holder is gone
+        held.release()
+    common.lock(str(tmp_path / "out")).release()  # free again once the holder is gone
+
+
+AS_ON_WINDOWS = ("import os, warnings; sys.modules['fcntl'] = None; del os.sysconf; "  # neither
+                 "warnings.filterwarnings('ignore', 'only soft file lock'); ")  # filelock's note
+
+
+@pytest.mark.parametrize("platform", ["linux", "no fcntl or os.sysconf"])
+def test_a_killed_runs_lock_is_released_with_or_without_fcntl(tmp_path, shakespeare, platform):
+    """Where fcntl and os.sysconf are missing (Windows), train.py still runs and claims its out_dir;
+    a second run is refused with one line naming the holder while it lives, and runs once it has
+    been killed."""
+    setup = "import sys; " + (AS_ON_WINDOWS if platform != "linux" else "")
+    out = str(tmp_path / "out")
+    hold = "import common, time; held = common.lock(sys.argv[1]); print('held', flush=True); "
+    holder = subprocess.Popen([sys.executable, "-c", setup + hold + "time.sleep(600)", out],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    train_py = "import runpy; runpy.run_path('train.py', run_name='__main__')"  # argv: -c, flags
+    run = [sys.executable, "-c", setup + train_py, f"--out_dir={out}", "--max_iters=1",
+           "--eval_iters=1", "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16",
+           "--d_t=4", "--time_freqs=4", "--batch_size=2", f"--input_file={shakespeare}",
+           f"--data_root={tmp_path / 'data'}"]
+    try:
+        assert holder.stdout.readline() == "held\n"
+        refused = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            f"error: {out} is in use by a run that is still going (pid {holder.pid}); wait for it "
+            f"to finish or choose another --out_dir"]
+    finally:
+        holder.kill()  # SIGKILL: the holder cannot release anything itself
+        holder.wait()
+    done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert common.load(os.path.join(out, "ckpt.pt"))["iter_num"] == 1
 
 
 def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(tmp_path, shakespeare):
@@ -152,7 +185,8 @@ def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(t
     rows = [json.loads(line) for line in open(log)]
     assert sorted(r["iter"] for r in rows if "loss" in r) == list(range(8)) and 9.9 not in [r.get("loss") for r in rows]
     assert [r["iter"] for r in rows if "val_loss" in r] == [0, 4, 8]
-    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "ckpt.pt", "log.jsonl", "loss.png", "notes.tmpl"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".lock", ".lock.pid", "ckpt.pt", "log.jsonl",
+                                                    "loss.png", "notes.tmpl"]
 
 
 def test_resume_from_a_file_without_optimizer_state_starts_a_fresh_optimizer(tmp_path, shakespeare, capsys):

@@ -130,10 +130,13 @@ def test_train_step_clips_the_gradient_of_all_parameters():
     raw_norm = torch.sqrt(sum((g ** 2).sum() for g in raw.values())).item()
     assert all(raw[n].abs().sum() > 0 for n in ("wte.weight", "hyper.attn.A_W", "ln_f.weight"))
 
-    for clip in (0.25 * raw_norm, 4 * raw_norm):  # clipped, and a clip that does not bite
+    for clip in (0.25 * raw_norm, 4 * raw_norm, 0.0):  # clipped, a clip that does not bite, none
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        one_training_step(model, optimizer, batches, train.TrainConfig(grad_clip=clip))
+        cfg = train.TrainConfig(grad_clip=clip)
+        _, norm, _, _ = one_training_step(model, optimizer, batches, cfg)
+        assert norm.item() == pytest.approx(raw_norm, rel=1e-12)  # the norm before clipping, logged
+        clip = clip or math.inf
         scale = min(1.0, clip / raw_norm)
         update = {n: start[n] - p.detach() for n, p in model.named_parameters()}
         total = torch.sqrt(sum((u ** 2).sum() for u in update.values())).item()

@@ -81,7 +81,7 @@ def step_gradients(model, batches, env=common.Env(torch.device("cpu"), torch.flo
     """The gradients of one train.train_step over the micro-batches (no clipping, no update)."""
     cfg = train.TrainConfig(gradient_accumulation_steps=len(batches), grad_clip=0.0, **cfg)
     capture = Capture(parallel.unwrap(model))
-    loss, _ = train.train_step(model, capture, Fixed(batches), 0, cfg, env, gen)
+    loss, *_ = train.train_step(model, capture, Fixed(batches), 0, cfg, env, gen)
     return loss, capture.grads
 
 

@@ -1,16 +1,21 @@
 """train.py, configurator.py and common.py: the command line, real training, resuming, DDP and FSDP2."""
+import importlib.machinery
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 import common
 import train
-from scale import memory
+from scale import memory, parallel
 from configurator import ConfigError, UserError, parse_config
 from model import DiffEqFormer, ModelConfig
 
@@ -129,6 +134,8 @@ def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
     rows = run(tmp_path, f"--input_file={shakespeare}", "--max_iters=50", "--eval_interval=50")
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0] - 0.5
+    norms = [r["grad_norm"] for r in rows if "loss" in r]  # in every training row
+    assert len(norms) == 50 and all(n > 0 for n in norms)
     assert os.path.getsize(tmp_path / "out" / "loss.png") > 5000
     ckpt = common.load(str(tmp_path / "out" / "ckpt.pt"))
     assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
@@ -189,6 +196,198 @@ def test_mfu_peaks(monkeypatch):
     assert common.peak_flops(env) > 0 and set(sizes) == {(2048, 2048)}
 
 
+# -- devices: CUDA, Apple silicon's GPU (MPS), the CPU --------------------------------------------
+# Neither CUDA nor MPS exists on the machine that runs these tests: torch's answers are mocked.
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """answer(cuda, mps, native_bf16): what torch answers about the GPUs from then on."""
+    for flag in (torch.backends.cuda.matmul, torch.backends.cudnn):  # setup sets them on CUDA
+        monkeypatch.setattr(flag, "allow_tf32", flag.allow_tf32)
+
+    def answer(cuda, mps, native_bf16=False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation: native_bf16)
+    return answer
+
+
+@pytest.mark.parametrize("cuda,mps,native_bf16,device,dtype", [
+    (True, True, True, "cuda", torch.bfloat16),  # CUDA first, in bf16 where the GPU has it natively
+    (True, False, False, "cuda", torch.float16),  # V100, T4, 20-series: fp16 with loss scaling
+    (False, True, False, "mps", torch.float32),  # a Mac
+    (False, False, False, "cpu", torch.float32),
+])
+def test_auto_picks_cuda_then_mps_then_the_cpu(gpus, cuda, mps, native_bf16, device, dtype):
+    gpus(cuda, mps, native_bf16)
+    env = common.setup("auto", "auto")
+    assert (env.device.type, env.dtype) == (device, dtype)
+    assert env.scaler.is_enabled() == (dtype == torch.float16)  # loss scaling in fp16 only
+
+
+def test_a_device_that_is_not_there_is_one_line(gpus):
+    gpus(cuda=False, mps=False)
+    with pytest.raises(UserError, match="^device='mps' asked for, but torch sees no Apple GPU"):
+        common.setup("mps")
+    with pytest.raises(UserError, match="^device='cuda' asked for, but torch sees no CUDA device"):
+        common.setup("cuda")
+    gpus(cuda=False, mps=True)
+    with pytest.raises(UserError, match="^dtype='float16' scales the loss with torch.amp"):
+        common.setup("mps", "float16")
+    with pytest.raises(UserError, match="^dtype='float8': use float32, bfloat16, float16 or auto$"):
+        common.setup("cpu", "float8")
+
+
+@pytest.mark.parametrize("cuda,mps,message", [
+    (True, False, "^torchrun on CUDA GPUs needs NCCL, which this torch lacks"),  # Windows' torch
+    (False, True, "^torchrun runs on CUDA GPUs \\(NCCL\\) or CPUs \\(gloo\\), not on MPS"),
+])
+def test_torchrun_where_it_cannot_run_is_one_line(gpus, monkeypatch, cuda, mps, message):
+    gpus(cuda, mps)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=message):
+        common.setup("auto")
+
+
+@pytest.mark.parametrize("device,module,n", [("cuda", torch.cuda, 8192), ("mps", torch.mps, 4096)])
+def test_the_peak_measurement_waits_for_the_gpu_it_times(monkeypatch, device, module, n):
+    """A GPU runs a matmul after `a @ a` has returned: every timed matmul sits between two
+    synchronisations of the device (the matmuls run small, on the CPU; the calls are recorded)."""
+    calls, sizes = [], []
+    real_randn, real_matmul = torch.randn, torch.Tensor.__matmul__
+    monkeypatch.setattr(module, "synchronize", lambda *device: calls.append("sync"))
+    monkeypatch.setattr(torch, "randn", lambda *shape, device, dtype: sizes.append(shape) or
+                        real_randn(8, 8, dtype=dtype))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append("matmul") or
+                        real_matmul(a, b))
+    assert common.peak_flops(common.Env(torch.device(device), torch.float32)) > 0
+    assert sizes == [(n, n)] and len(calls) >= 3
+    assert calls == ["sync", "matmul", "sync"] * (len(calls) // 3)
+
+
+def test_batches_go_to_the_device_of_the_run():
+    """Not only to a CUDA one: to MPS as well (the meta device stands in for it here)."""
+    tokens = np.arange(1000, dtype=np.uint16)
+    x, y = common.Batches(tokens, 8, 2, torch.device("meta"), 0, 0).get(0, 0)
+    assert x.device.type == y.device.type == "meta" and x.shape == (2, 8)
+
+
+# -- float16 with loss scaling (torch.amp.GradScaler), on the CPU: CUDA's path, with CPU kernels ---
+
+def float16_step(model, optimizer, cfg, env, it=0, overflow=False):
+    """train.train_step in float16 on the CPU; `overflow`: an inf in the backward."""
+    tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 2000).astype(np.uint16)
+    batches = common.Batches(tokens, model.cfg.block_size, 4, torch.device("cpu"), 1, 0)
+    hook = model.wte.weight.register_hook(lambda g: g * math.inf) if overflow else None
+    try:
+        return train.train_step(model, optimizer, batches, it, cfg, env)
+    finally:
+        if hook:
+            hook.remove()
+
+
+def test_float16_time_features_and_generated_weights_are_finite_at_the_papers_scale():
+    """t times the paper's time scale 1000 in fp16 would be off by up to 0.25 (fp16's spacing near
+    1000 is 0.5) and scramble the sinusoids; times and time features stay fp32 (model.time_dtype).
+    At GPT-small's shapes (width 768, d_t 20, S 128, 12 steps), the weights that the hypernetwork
+    generates in float16, under autocast and as an fp16 model, are finite and within fp16's
+    rounding of the fp32 ones."""
+    from conftest import from_config_file
+    mcfg = from_config_file("config/owt_gpt_small.py", vocab_size=64, block_size=16)
+    assert (mcfg.n_embd, mcfg.d_t, mcfg.time_freqs, mcfg.time_scale) == (768, 20, 128, 1000.0)
+    torch.manual_seed(0)
+    model = DiffEqFormer(mcfg)
+    with torch.no_grad():
+        want = model.hyper(model.times(12, "euler"))
+        with torch.autocast("cpu", dtype=torch.float16):
+            autocast = model.hyper(model.times(12, "euler"))
+        model.half()
+        ts = model.times(12, "euler")
+        assert ts.dtype == model.hyper.time_embedding(ts).dtype == torch.float32
+        half = model.hyper(ts)
+    for name, (W, b) in want.items():
+        for got in (autocast[name], half[name]):
+            assert got[0].dtype == torch.float16 and torch.isfinite(got[0]).all(), name
+            assert (got[0].float() - W).abs().max() <= 2e-3 * W.abs().max(), name
+            if b is not None:  # biases of ~1e-5 at init: fp16's subnormals, coarser
+                assert torch.isfinite(got[1]).all(), name
+                assert (got[1].float() - b).abs().max() <= 2e-2 * b.abs().max(), name
+
+
+def test_a_float16_step_with_an_inf_gradient_is_skipped_and_the_next_one_unscaled_and_clipped():
+    """GradScaler in train_step: an overflowing step leaves the weights as they were and halves
+    the scale; the next step's norm and update are those of the true (unscaled) gradients, clipped
+    after unscaling. SGD at lr 1: the update is minus the gradient the optimizer got."""
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=96, block_size=16,
+                                     d_t=8, time_freqs=8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = train.TrainConfig(gradient_accumulation_steps=2, grad_clip=0.0)
+    env = common.Env(torch.device("cpu"), torch.float16)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss, norm, _, skipped = float16_step(model, optimizer, cfg, env, overflow=True)
+    assert skipped and not torch.isfinite(norm) and torch.isfinite(loss)
+    assert env.scaler.get_scale() == 2.0 ** 15  # 65536, halved
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # no step taken
+
+    def update():
+        return torch.sqrt(sum(((start[n] - p.detach()).double() ** 2).sum()
+                              for n, p in model.named_parameters())).item()
+    _, norm, _, skipped = float16_step(model, optimizer, cfg, env, it=1)
+    assert not skipped and env.scaler.get_scale() == 2.0 ** 15
+    assert norm.item() == pytest.approx(update(), rel=1e-5)  # not 32768 times it
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    cfg.grad_clip = 0.1 * norm.item()  # clipped to a tenth, after unscaling
+    _, norm_again, _, _ = float16_step(model, optimizer, cfg, env, it=1)
+    assert norm_again.item() == pytest.approx(norm.item(), rel=1e-6)
+    assert update() == pytest.approx(cfg.grad_clip, rel=1e-5)
+
+
+def test_a_float16_run_logs_a_skipped_step_and_resumes_exactly_with_its_scale(tmp_path, shakespeare,
+                                                                               monkeypatch):
+    """A float16 run (on the CPU) whose iteration 3 overflows: the row of iteration 3 says it was
+    skipped, with a null norm, and the scale halves; stopped at 4 and resumed, the run goes on as
+    the uninterrupted one did, loss scale included (the checkpoint carries the scaler's state)."""
+    real_step = train.train_step
+
+    def overflow_at_3(model, optimizer, batches, it, cfg, env, gen=None):
+        hook = model.wte.weight.register_hook(lambda g: g * math.inf) if it == 3 else None
+        try:
+            return real_step(model, optimizer, batches, it, cfg, env, gen)
+        finally:
+            if hook:
+                hook.remove()
+    monkeypatch.setattr(train, "train_step", overflow_at_3)
+    shared = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=4",
+              "--dtype=float16", "--device=cpu", "--peak_flops=1e12",  # (fp16's CPU peak: minutes)
+              "--log_interval=2"]
+    straight = {r["iter"]: r for r in run(tmp_path, *shared, out="a") if "loss" in r}
+    assert sorted(straight) == [0, 2, 3, 4, 6]  # every log_interval, and every skipped step
+    assert [it for it, r in straight.items() if r["skipped"]] == [3]
+    assert straight[3]["grad_norm"] is None and straight[2]["grad_norm"] > 0  # strict JSON: no inf
+    assert [straight[it]["loss_scale"] for it in (2, 3, 4)] == [65536.0, 32768.0, 32768.0]
+    run(tmp_path, *shared, "--stop_at=4", out="b")
+    assert common.load(str(tmp_path / "b" / "ckpt.pt"))["scaler"]["scale"] == 32768.0
+    resumed = {r["iter"]: r for r in run(tmp_path, *shared, "--init_from=resume", out="b")
+               if "loss" in r}
+    for it in (4, 6):
+        assert resumed[it]["loss_scale"] == straight[it]["loss_scale"], it
+        assert resumed[it]["loss"] == pytest.approx(straight[it]["loss"], abs=1e-6), it
+        assert resumed[it]["grad_norm"] == pytest.approx(straight[it]["grad_norm"], rel=1e-6), it
+
+
+def test_float16_is_refused_under_fsdp_in_one_line():
+    env = common.Env(torch.device("cpu"), torch.float16, world_size=2)
+    model = DiffEqFormer(ModelConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+    with pytest.raises(ConfigError, match="^FSDP2 runs compute in bfloat16 or float32 here"):
+        parallel.build(model, train.TrainConfig(parallel="fsdp"), env)
+
+
 def test_startup_summary_is_a_few_readable_lines(tmp_path, shakespeare, capsys):
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1")
     out = capsys.readouterr().out
@@ -216,6 +415,66 @@ def test_learning_rate_schedule():
     assert train.learning_rate(1000, cfg) == pytest.approx(0.1)
 
 
+# -- what a run logs: log.jsonl, wandb, TensorBoard ------------------------------------------------
+
+def fake_wandb(monkeypatch):
+    """A stand-in for the wandb package: [init's arguments] and [(step, row) logged]."""
+    inits, logged = [], []
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec finds it
+
+    def init(project, config, id=None, resume=None):
+        inits.append(dict(project=project, id=id, resume=resume))
+        return types.SimpleNamespace(id=id or f"run-{len(inits)}")
+    wandb.init, wandb.finish = init, lambda: None
+    wandb.log = lambda row, step: logged.append((step, row))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    return inits, logged
+
+
+def test_wandb_goes_on_with_the_run_of_the_checkpoint_when_resuming(tmp_path, shakespeare,
+                                                                    monkeypatch):
+    inits, logged = fake_wandb(monkeypatch)
+    shared = [f"--input_file={shakespeare}", "--max_iters=4", "--eval_interval=2", "--wandb"]
+    run(tmp_path, *shared, "--stop_at=2")
+    path = str(tmp_path / "out" / "ckpt.pt")
+    assert common.load(path)["wandb_id"] == "run-1" and inits[0]["id"] is None
+    run(tmp_path, *shared, "--init_from=resume")
+    assert inits[1] == dict(project="diffeqformer", id="run-1", resume="allow")
+    assert common.load(path)["wandb_id"] == "run-1"
+    run(tmp_path, *shared, f"--init_from={path}", out="other")  # its weights, not its run
+    assert inits[2]["id"] is None
+    assert common.load(str(tmp_path / "other" / "ckpt.pt"))["wandb_id"] == "run-3"
+    assert all("grad_norm" in row for _, row in logged if "loss" in row)
+    assert [step for step, row in logged if "loss" in row] == [0, 1, 2, 3] * 2
+
+
+def test_tensorboard_mirrors_the_log_and_hides_what_a_killed_run_logged(tmp_path, shakespeare):
+    pytest.importorskip("tensorboard")  # optional: not in requirements.txt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    shared = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=2", "--tensorboard"]
+    run(tmp_path, *shared, "--stop_at=2")
+    folder = str(tmp_path / "out" / "tensorboard")
+    with SummaryWriter(folder) as killed:  # what a run killed after its checkpoint at 2 logged
+        for it in (3, 4, 5):
+            killed.add_scalar("loss", 99.0, it)
+    rows = run(tmp_path, *shared, "--init_from=resume", "--stop_at=3")
+    events = EventAccumulator(folder)
+    events.Reload()
+    for key in ("loss", "grad_norm", "lr", "val_loss"):
+        shown = {e.step: e.value for e in events.Scalars(key)}
+        assert shown == pytest.approx({r["iter"]: r[key] for r in rows if key in r}, rel=1e-6), key
+
+
+def test_a_missing_optional_package_is_one_line(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    for package in ("tensorboard", "wandb"):
+        message = f"^--{package} needs the {package} package: pip install {package}$"
+        with pytest.raises(ConfigError, match=message):
+            train.main([f"--{package}"])
+
+
 # -- distributed, on CPU with gloo -----------------------------------------------------------------
 
 def torchrun(tmp_path, *args, out):
@@ -238,6 +497,8 @@ def test_two_processes_match_one(tmp_path, shakespeare, parallel):
     assert single[-1]["val_loss"] == pytest.approx(double[-1]["val_loss"], abs=1e-4)
     for it in a:
         assert a[it] == pytest.approx(b[it], abs=1e-4), it
+    for one, two in zip(*[[r for r in rows if "loss" in r] for rows in (single, double)]):
+        assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)  # FSDP2: every shard's
     # the DDP checkpoint, or the sharded one converted to a single file, loads into a plain model
     # and holds the weights that one process trained
     path = str(tmp_path / "two" / "ckpt.pt")
