@@ -64,16 +64,14 @@ class ModelConfig:
                  "time_freqs")
         problems += [f"{k}={getattr(self, k)} must be at least 1" for k in sizes
                      if getattr(self, k) < 1]
-        if self.n_head >= 1 and self.n_embd % self.n_head:
-            problems.append(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
-        elif self.flavor == "llama" and (self.n_embd // max(self.n_head, 1)) % 2:
-            problems.append(f"RoPE needs an even head size, got {self.n_embd // self.n_head}")
-        if self.n_layer > MAX_STEPS:
-            problems.append(f"n_layer={self.n_layer} is more than {MAX_STEPS} steps")
-        if not self.time_scale > 0:
-            problems.append(f"time_scale={self.time_scale} must be positive")
-        if not 0.0 <= self.dropout < 1.0:
-            problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        hs, divides = self.n_embd // max(self.n_head, 1), self.n_embd % max(self.n_head, 1) == 0
+        problems += [message for ok, message in (
+            (divides, f"n_head={self.n_head} does not divide n_embd={self.n_embd}"),
+            (not divides or self.flavor == "gpt" or hs % 2 == 0,
+             f"RoPE needs an even head size, got {hs}"),
+            (self.n_layer <= MAX_STEPS, f"n_layer={self.n_layer} is more than {MAX_STEPS} steps"),
+            (self.time_scale > 0, f"time_scale={self.time_scale} must be positive"),
+            (0.0 <= self.dropout < 1.0, f"dropout={self.dropout} must be in [0, 1)")) if not ok]
         if problems:
             raise ValueError("bad model config: " + "; ".join(problems))
 
@@ -125,8 +123,8 @@ def attention(x, w, cfg, rope, dropout, mask=None, cache=None):
 
     mask (T, S), True where a query may see a key, replaces the plain causal mask where that is not
     enough: decoding with a KV cache, or a RoPE model reading more than block_size tokens. cache,
-    while decoding, is (KVCache of this evaluation, slots (T,) of x's tokens): their keys and values
-    are written there and the queries attend to the whole cache (gpt-fast's static cache)."""
+    while decoding, is (the KV cache of this evaluation, slots (T,) of x's tokens): their keys and
+    values are written there and the queries attend to the whole cache (sample.py)."""
     B, T, C = x.size()
     q, k, v = F.linear(x, *w["attn"]).split(C, dim=2)
     q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))
@@ -331,39 +329,11 @@ class Block(nn.Module):
         return x + (1.0 / cfg.n_layer) * vector_field(x, w, cfg, rope, dropout, mask, cache)
 
 
-class KVCache(nn.Module):
-    """The keys and values one evaluation of attention has computed, for max_len positions
-    (gpt-fast's static cache): decoding a token runs one position through each layer, not the whole
-    prefix. Position p lives in slot p % max_len, so a RoPE model can go on past max_len, each token
-    seeing the last max_len positions (a sliding window)."""
-
-    def __init__(self, batch_size, n_head, max_len, head_size, device=None, dtype=None):
-        super().__init__()
-        shape = (batch_size, n_head, max_len, head_size)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-    def update(self, slots, k, v):
-        """Write the keys and values k, v (B, nh, T, hs) into slots (T,); return the whole cache."""
-        self.k[:, :, slots] = k
-        self.v[:, :, slots] = v
-        return self.k, self.v
-
-
 def sliding_window_mask(pos, key_pos, window):
     """(T, S), True where the query at position pos[i] sees the key at key_pos[j]: causal, and at
     most `window` positions back (itself included)."""
     offset = pos[:, None] - key_pos[None, :]
     return (offset >= 0) & (offset < window)
-
-
-def cache_mask(pos, L):
-    """(mask (T, L), slots (T,)) for tokens at positions pos, decoded through caches of L slots: the
-    slot of position p is p % L, and a query sees the slots that hold one of the last L positions up
-    to its own (past L, feed one token at a time)."""
-    slots = torch.arange(L, device=pos.device)
-    held = slots + L * torch.div(pos[-1] - slots, L, rounding_mode="floor")  # slot -> position
-    return sliding_window_mask(pos, held, L) & (held >= 0), pos % L
 
 
 def seeded_normal_(rows, std, key, first=0, total=None):
@@ -456,22 +426,19 @@ class DiffEqFormer(nn.Module):
                 fill(m.G, 0.0)
                 fill(m.H, 0.0)
 
-    def num_params(self, non_embedding=False):
-        """Parameters, tied weights counted once; non_embedding leaves out the embedding tables."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
-        return n
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied GPT head counted once
 
     # -- the forward pass --------------------------------------------------------------------------
     def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None,
-                input_pos=None, caches=None, last_only=False):
+                input_pos=None, mask=None, caches=None, last_only=False):
         """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or
         None.
         offsets (steps,): Euler's times moved back inside their steps (step_weights). weights: an
         ODE's weights at every stage time, as step_weights makes them (train.py makes them once per
-        optimizer step). input_pos (T,) and caches: the positions of idx's tokens, decoded through
-        one KVCache per evaluation of F (sample.py). last_only: the last position's logits only."""
+        optimizer step). input_pos (T,), mask (T, S) and caches: the positions of idx's tokens, what
+        they see, and one (KV cache, slots) per evaluation of F (sample.py decodes with them).
+        last_only: the last position's logits only."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
         B, T = idx.size()
@@ -487,15 +454,7 @@ class DiffEqFormer(nn.Module):
         x = F.dropout(x, dropout, dropout > 0)
         hs = cfg.n_embd // cfg.n_head
         rope = rope_tables(pos, hs, x.dtype) if cfg.flavor == "llama" else None
-        mask = None  # plain causal attention
-        if caches is not None:  # decoding: earlier positions' keys and values are in the caches
-            n, L = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer, caches[0].k.size(2)
-            if len(caches) != n or T > L:
-                raise ValueError(f"{T} tokens, {steps} {solver} steps: need {n} KV caches of at "
-                                 f"least {T} positions, got {len(caches)} of {L}")
-            mask, slots = cache_mask(pos, L)
-            caches = [(kv, slots) for kv in caches]
-        elif T > cfg.block_size:
+        if mask is None and T > cfg.block_size:  # a RoPE model past its context: a sliding window
             mask = sliding_window_mask(pos, pos, cfg.block_size)
         if offsets is not None:  # any-depth training (METHOD 8.2): Euler's times moved
             if weights is not None or not cfg.is_ode:
@@ -552,16 +511,18 @@ class DiffEqFormer(nn.Module):
             return checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
 
         recompute = cfg.checkpoint and self.training
+        n = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer  # evaluations of F
+        caches = [None] * n if caches is None else caches
+        if len(caches) != n:
+            raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(caches)}")
         if not cfg.is_ode:
-            for layer, cache in zip(self.layers, caches or [None] * cfg.n_layer):
+            for layer, cache in zip(self.layers, caches):
                 x = run(layer, x, cfg, rope, dropout, mask, cache)
             return x
         W = self.step_weights(steps, solver) if weights is None else weights  # W[j]: evaluation j's
-        if len(W) != steps * len(SOLVERS[solver]):
-            raise ValueError(f"weights for {len(W)} stage times given; {steps} {solver} steps need "
-                             f"{steps * len(SOLVERS[solver])}")
-        f = functools.partial(run, vector_field)
-        caches, args = caches or [None] * len(W), (cfg, rope, dropout, mask)
+        if len(W) != n:
+            raise ValueError(f"weights for {len(W)} stage times; {steps} {solver} steps need {n}")
+        f, args = functools.partial(run, vector_field), (cfg, rope, dropout, mask)
         h = 1.0 / steps
         for k in range(steps):
             if solver == "euler":  # X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h   (METHOD 2)

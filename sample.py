@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import common
 import prepare
 from configurator import UserError, parse_config, run_main
-from model import MAX_STEPS, SOLVERS, KVCache
+from model import MAX_STEPS, SOLVERS, sliding_window_mask
 
 
 @dataclass
@@ -79,6 +80,36 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
+class KVCache(nn.Module):
+    """The keys and values one evaluation of attention has computed, for max_len positions
+    (gpt-fast's static cache): decoding a token runs one position through each layer, not the whole
+    prefix. Position p lives in slot p % max_len, so a RoPE model can go on past max_len, each token
+    seeing the last max_len positions (a sliding window)."""
+
+    def __init__(self, batch_size, n_head, max_len, head_size, device=None, dtype=None):
+        super().__init__()
+        shape = (batch_size, n_head, max_len, head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, slots, k, v):
+        """Write the keys and values k, v (B, nh, T, hs) into slots (T,); return the whole cache."""
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
+        return self.k, self.v
+
+
+def cache_mask(pos, L):
+    """(mask (T, L), slots (T,)) for tokens at positions pos, decoded through caches of L slots: the
+    slot of position p is p % L, and a query sees the slots that hold one of the last L positions up
+    to its own (past L, feed one token at a time)."""
+    if len(pos) > L:
+        raise ValueError(f"{len(pos)} tokens do not fit KV caches of {L} positions")
+    slots = torch.arange(L, device=pos.device)
+    held = slots + L * torch.div(pos[-1] - slots, L, rounding_mode="floor")  # slot -> position
+    return sliding_window_mask(pos, held, L) & (held >= 0), pos % L
+
+
 @torch.no_grad()
 def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     """The decoding state: zeroed KV caches (batch_size, n_head, max_len, head_size), one per
@@ -109,8 +140,10 @@ def prefill(model, idx, state):
 def decode_one_token(model, idx, input_pos, state):
     """The next-token logits (B, vocab) after idx (B, 1) at position input_pos (1,), through the KV
     caches: the step that generate repeats and `torch.compile(..., fullgraph=True)` compiles."""
+    mask, slots = cache_mask(input_pos, state["caches"][0].k.size(2))
+    caches = [(kv, slots) for kv in state["caches"]]  # every evaluation writes the same slots
     logits, _ = model(idx, steps=state["steps"], solver=state["solver"], weights=state["weights"],
-                      input_pos=input_pos, caches=state["caches"], last_only=True)
+                      input_pos=input_pos, mask=mask, caches=caches, last_only=True)
     return logits[:, -1]
 
 

@@ -119,10 +119,12 @@ def test_last_only_is_the_last_row_of_the_logits():
 def test_decoding_needs_caches_set_up_for_its_steps():
     model = random_model()
     state = sample.setup_caches(model, 1, 8, 3, "euler")
-    with pytest.raises(ValueError, match="4 euler steps: need 4 KV caches of at least 1 positions, got 3"):
-        model(prompt(1, B=1), steps=4, input_pos=torch.tensor([0]), caches=state["caches"])
-    with pytest.raises(ValueError, match="need 3 KV caches of at least 9 positions, got 3 of 8"):
-        model(prompt(9, B=1), steps=3, input_pos=torch.arange(9), caches=state["caches"])
+    mask, slots = sample.cache_mask(torch.tensor([0]), 8)
+    caches = [(kv, slots) for kv in state["caches"]]
+    with pytest.raises(ValueError, match="4 euler steps need 4 KV caches, got 3"):
+        model(prompt(1, B=1), steps=4, input_pos=torch.tensor([0]), mask=mask, caches=caches)
+    with pytest.raises(ValueError, match="9 tokens do not fit KV caches of 8 positions"):
+        sample.prefill(model, prompt(9, B=1), state)
 
 
 def test_compiled_decode_step_matches_eager_without_graph_breaks_or_recompiles():
