@@ -13,9 +13,9 @@ one shared block, per-layer parameters) and `flavor` picks GPT (LayerNorm, GELU,
 positions, biases, tied head) or Llama (RMSNorm, RoPE, SwiGLU, no biases, untied head).
 
 Differences from nanoGPT: the parallel residual and 1/N step of the ODE models; weights as functions
-of t; `steps` and `solver` are arguments of each call; `materialize` turns the ODE into an ordinary
-transformer of any depth (METHOD 5). Times, time features and RoPE tables are never narrower than
-float32 (bf16 rounding of t, times the scale 1000, would scramble the sinusoids).
+of t; `steps` and `solver` are arguments of each call; `materialize` makes an ordinary transformer of
+any depth (METHOD 5). Times, time features and RoPE tables are at least float32 (bf16 rounding of t,
+times the scale 1000, would scramble the sinusoids).
 """
 import functools
 import hashlib
@@ -259,9 +259,8 @@ def hyper_shapes(cfg):
     """The weights the hypernetwork generates: the block's, but the Llama flavour generates the
     query, key and value projections under a time MLP each, as the authors' ODE Llama does (METHOD
     3); they are concatenated into the block's fused `attn` again."""
-    shapes = block_shapes(cfg)
+    shapes, C = block_shapes(cfg), cfg.n_embd
     if cfg.flavor == "llama":
-        C = cfg.n_embd
         shapes = {"q": (C, C, False), "k": (C, C, False), "v": (C, C, False),
                   **{name: shape for name, shape in shapes.items() if name != "attn"}}
     return shapes
@@ -321,8 +320,7 @@ class Block(nn.Module):
         return {name: (m.weight, getattr(m, "bias", None)) for name, m in self.named_children()}
 
     def forward(self, x, cfg, rope, dropout, mask=None, cache=None):
-        """One layer: the sequential baseline block, or one Euler step x + F(x)/N of a
-        materialised ODE."""
+        """One layer: the sequential baseline block, or a materialised ODE's Euler step x + F(x)/N"""
         w = self.weights()
         if cfg.model_type == "baseline":
             return sequential_block(x, w, cfg, rope, dropout, mask, cache)
@@ -351,8 +349,7 @@ def seeded_normal_(rows, std, key, first=0, total=None):
         lo, hi = block * per_block, min((block + 1) * per_block, total)
         digest = hashlib.blake2b(f"{key}/{block}".encode(), digest_size=8).digest()
         generator.manual_seed(int.from_bytes(digest, "little") >> 1)
-        values = torch.empty(hi - lo, flat.size(1), device=rows.device, dtype=rows.dtype)
-        values.normal_(0, std, generator=generator)
+        values = rows.new_empty(hi - lo, flat.size(1)).normal_(0, std, generator=generator)
         a, b = max(lo, first), min(hi, end)
         flat[a - first:b - first] = values[a - lo:b - lo]
     return rows
@@ -432,8 +429,7 @@ class DiffEqFormer(nn.Module):
     # -- the forward pass --------------------------------------------------------------------------
     def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None,
                 input_pos=None, mask=None, caches=None, last_only=False):
-        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1), or
-        None.
+        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1) or None.
         offsets (steps,): Euler's times moved back inside their steps (step_weights). weights: an
         ODE's weights at every stage time, as step_weights makes them (train.py makes them once per
         optimizer step). input_pos (T,), mask (T, S) and caches: the positions of idx's tokens, what
@@ -547,8 +543,7 @@ class DiffEqFormer(nn.Module):
         logits equal this ODE's with N Euler steps: layer k holds the weights at t_k = (k+1)/N. It
         has this model's dtype and device."""
         if not self.cfg.is_ode:
-            raise ValueError(f"only ODE models (diffeq, shared) can be materialised, not a "
-                             f"{self.cfg.model_type} model")
+            raise ValueError(f"only ODE models can be materialised, not a {self.cfg.model_type}")
         steps, _ = self.check_steps(steps, "euler")
         cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps,
                              "solver": "euler"})
