@@ -5,6 +5,7 @@ the repository root with `python -m experiments.NAME`:
 * bench        DiffEqFormer against GPT and weight sharing: training step, inference, decoding, memory
 * bench_scale  the ODE at scale: the training step, bytes moved by collectives, the memory plan
 * depth        an ODE checkpoint's validation loss against its step count and solver
+* embedding    the ODE Llama's token-embedding scale: this project's 0.02 against the authors' 1
 * eval         downstream tasks with lm-evaluation-harness (the local ones in experiments/tasks/)
 * reproduce    every experiment of results/README.md, at laptop scale
 """

@@ -4,7 +4,7 @@ N(0, 0.02^2) (docs/differences.md). What the choice changes, measured: two runs 
 the default CPU shape with the authors' init (init="reference"), started from the same draws with
 the embedding at std 0.02 and at std 1, everything else equal (data order, learning rate, seed).
 
-    python -m experiments.embedding                  # 2 x 500 iterations, ~10 min on 2 CPU cores
+    python -m experiments.embedding                  # 2 x 500 iterations, ~15 min on 2 idle CPU cores
     python -m experiments.embedding --max_iters=50   # a quick look
 
 Each run is `python train.py --init_from=<its start>` in a subprocess (two at a time, one thread
@@ -56,8 +56,7 @@ def main(argv):
         argv = [sys.executable, "train.py", *SHAPE, f"--init_from={run}/start.pt",
                 f"--out_dir={run}", f"--max_iters={cfg.max_iters}",
                 f"--eval_interval={cfg.max_iters // 2}", f"--learning_rate={cfg.learning_rate}",
-                f"--seed={cfg.seed}",
-                f"--data_root={cfg.data_root}"]
+                f"--seed={cfg.seed}", f"--data_root={cfg.data_root}"]
         log = open(os.path.join(run, "stdout.log"), "w")
         env = dict(os.environ, OMP_NUM_THREADS="1")
         runs[std] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
