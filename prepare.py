@@ -3,15 +3,15 @@ Turn text into token-id memmaps (nanoGPT's train.bin / val.bin) plus a meta.json
 
     python prepare.py                                             # tiny Shakespeare (shipped in data/), bytes
     python prepare.py --dataset=wikitext2_test                    # WikiText-2 test/valid (shipped in data/)
-    python prepare.py --dataset=shakespeare_wikitext              # both texts, each's last 10% held out
+    python prepare.py --dataset=shakespeare_wikitext              # both, each's last 10% held out
     python prepare.py --dataset=openwebtext --tokenizer=gpt2      # nanoGPT's OpenWebText recipe (download)
     python prepare.py --dataset=wikitext103 --tokenizer=gpt2      # download
     python prepare.py --dataset=mytext --input_file=a.txt,b.txt   # any local text, last 10% held out
     python prepare.py --dataset=mytext --input_file=train.txt --val_file=valid.txt
 
 The data lands in data/<dataset>_<tokenizer>/. Shipped with the repository (data/README.md):
-shakespeare, wikitext2_test, shakespeare_wikitext. Downloaded from Hugging Face: wikitext2 (raw, full), wikitext103,
-openwebtext; offline, point the same command at local text with --input_file.
+shakespeare, wikitext2_test, shakespeare_wikitext. Downloaded from Hugging Face: wikitext2 (raw,
+full), wikitext103, openwebtext; offline, point the same command at local text with --input_file.
 A directory whose meta.json records the same source and tokenizer is reused, not rebuilt.
 Differences from nanoGPT: one script for every dataset, byte tokens as well as tiktoken, and the
 meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
@@ -33,7 +33,7 @@ SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SHIPPED = {  # corpora in the repository's data/ folder (data/README.md): name: (training text, validation text)
     "shakespeare": ("tinyshakespeare/input.txt", ""),  # "": the last 10% is held out
     "wikitext2_test": ("wikitext-2/test.txt", "wikitext-2/valid.txt"),
-    "shakespeare_wikitext": (("tinyshakespeare/input.txt", "wikitext-2/test.txt"), ""),  # each's last 10%
+    "shakespeare_wikitext": (("tinyshakespeare/input.txt", "wikitext-2/test.txt"), ""),  # 10% each
 }
 HF_DATASETS = {  # name: (load_dataset arguments, separator that joins the rows of a split)
     "wikitext2": (("Salesforce/wikitext", "wikitext-2-raw-v1"), ""),  # raw lines keep their "\n"
@@ -210,7 +210,8 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
         val_file = val_file and os.path.join(SHIPPED_ROOT, val_file)
     if paths:
         held_out = "the last 10% of each" if split_each else "the last 10%"
-        source = file_source(paths) + "; val: " + (file_source([val_file]) if val_file else held_out)
+        val = file_source([val_file]) if val_file else held_out
+        source = file_source(paths) + "; val: " + val
     elif dataset in HF_DATASETS:
         source = "huggingface: " + " ".join(HF_DATASETS[dataset][0])
     else:
@@ -226,7 +227,8 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     make_dir(data_root, "data_root")  # a file in the way, or read-only: one line, before any work
     tok = get_tokenizer(tokenizer)
     corpus = dataset == "openwebtext" and not paths  # tokenised document by document, written in shards
-    splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), load_text(dataset, paths, val_file, split_each)))
+    texts = None if corpus else load_text(dataset, paths, val_file, split_each)
+    splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), texts))
     os.makedirs(data_dir, exist_ok=True)
     if os.path.isfile(meta_path):
         os.remove(meta_path)  # the .bin files are about to change: a stale meta must not describe them

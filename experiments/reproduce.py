@@ -193,7 +193,8 @@ def finished(folder, argv):
 def run(jobs, workers, results_of, runs, ledger=None):
     """Run the jobs, `workers` at a time with one thread each, each in its folder runs/<name>, a job once
     everything in its `after` is done; a job that already finished with the same command is skipped,
-    as is one that `ledger` (a Ledger) holds with the same command; a finished job is recorded in it.
+    as is one that `ledger` (a Ledger) holds with the same command; a finished job is recorded
+    in it.
     The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
@@ -221,7 +222,8 @@ def run(jobs, workers, results_of, runs, ledger=None):
                 skipped = True
             elif finished(folder, argv):
                 if ledger and ledger.keeps(job.name):  # finished, but killed before it was recorded
-                    ledger.record(job, folder, argv, json.load(open(os.path.join(folder, "done")))["seconds"])
+                    seconds = json.load(open(os.path.join(folder, "done")))["seconds"]
+                    ledger.record(job, folder, argv, seconds)
                 end(job.name, True)
                 skipped = True
             elif len(running) < workers:
@@ -435,34 +437,38 @@ def save(fig, path):
     plt.close(fig)
 
 
-# -- 6. the budget curve -------------------------------------------------------------------------------
+# -- 6. the budget curve ---------------------------------------------------------------------------
 
 def budget_rates(path=None):
     """Each budget model's best learning rate in the sweep of results.json (section 1)."""
     path = path or os.path.join(RESULTS, "results.json")
     if not os.path.isfile(path):
-        raise UserError(f"{path} does not exist: the budget curve uses the sweep's rates (--only=paper)")
+        raise UserError(f"{path} does not exist: the budget curve uses the sweep's rates "
+                        f"(--only=paper)")
     table1 = json.load(open(path))["table1"]
     return {m: table1[m]["learning_rate"] for m in BUDGET_MODELS}
 
 
 def budget_plan(cfg, rates):
-    """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial run
-    is a complete curve over fewer budgets), then the rate recheck at the longest."""
+    """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
+    run is a complete curve over fewer budgets), then the rate recheck at the longest."""
     budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
     evals = ["--eval_iters=2"] if cfg.quick else []
 
     def job(name, model, budget, seed, factor, stage):
         lr = rates[model] * factor
-        argv = ["train.py", *MODELS[model][1], f"--data_root={cfg.data_root}", f"--dataset={BUDGET_DATASET}",
-                f"--max_iters={budget}", f"--eval_interval={min(budget, BUDGET_EVAL)}", *evals,
+        argv = ["train.py", *MODELS[model][1], f"--data_root={cfg.data_root}",
+                f"--dataset={BUDGET_DATASET}", f"--max_iters={budget}",
+                f"--eval_interval={min(budget, BUDGET_EVAL)}", *evals,
                 f"--learning_rate={lr:g}", f"--seed={seed}", f"--out_dir={cfg.runs}/{name}"]
-        meta = dict(model=model, budget=budget, seed=seed, learning_rate=float(f"{lr:g}"), factor=factor)
+        meta = dict(model=model, budget=budget, seed=seed, learning_rate=float(f"{lr:g}"),
+                    factor=factor)
         return Job(name, argv, cost=budget / ITERS, stage=stage, meta=meta)
 
     jobs = [job(f"budget-{m}-{b}-s{seed}", m, b, seed, 1.0, 1 + i)
             for i, b in enumerate(budgets) for seed in SEEDS for m in BUDGET_MODELS]
-    jobs += [job(f"budget-{m}-{budgets[-1]}-lr{x:g}x", m, budgets[-1], SEEDS[0], x, 1 + len(budgets))
+    longest, last = budgets[-1], 1 + len(budgets)
+    jobs += [job(f"budget-{m}-{longest}-lr{x:g}x", m, longest, SEEDS[0], x, last)
              for m in BUDGET_MODELS for x in RECHECK]
     return jobs
 
@@ -482,7 +488,8 @@ def budget_row(job, folder, argv, seconds):
     tokens = job.meta["budget"] * per_iter
     return dict(**job.meta, val_loss=evals[-1]["val_loss"], train_loss=evals[-1]["train_loss"],
                 params=model.num_params(), tokens=tokens, flops_per_token=per_token,
-                flops=per_token * tokens, evals=[[r["iter"], r["train_loss"], r["val_loss"]] for r in evals],
+                flops=per_token * tokens,
+                evals=[[r["iter"], r["train_loss"], r["val_loss"]] for r in evals],
                 seconds=seconds, argv=argv)
 
 
@@ -496,7 +503,7 @@ class Ledger:
         self.argv = {job.name: job.argv for job in plan}
         r = self.read()
         old = r.get("budget", {}).get("runs", {})
-        runs = {n: row for n, row in old.items() if self.argv.get(n) == row["argv"]}  # still planned
+        runs = {n: row for n, row in old.items() if self.argv.get(n) == row["argv"]}  # planned
         r["budget"] = dict(info, jobs={job.name: job.meta for job in plan}, runs=runs)
         self.write(r)
 
@@ -525,7 +532,7 @@ class Ledger:
 
 def budget_points(b):
     """{model: [(budget, [seed losses], [seed gaps], tokens, flops)]} of the finished budgets, and
-    {model: {factor: val loss}} of the recheck at the longest budget (1: seed 1 at the best rate)."""
+    {model: {factor: val loss}} of the recheck at the longest budget (1: seed 1, the best rate)."""
     runs, budgets = b["runs"], b["budgets"]
     points, recheck = {}, {}
     for m in b["models"]:
@@ -534,11 +541,12 @@ def budget_points(b):
             rows = [runs.get(f"budget-{m}-{budget}-s{seed}") for seed in b["seeds"]]
             if all(rows):
                 points[m].append((budget, [r["val_loss"] for r in rows],
-                                  [r["val_loss"] - r["train_loss"] for r in rows], rows[0]["tokens"],
-                                  rows[0]["flops"]))
+                                  [r["val_loss"] - r["train_loss"] for r in rows],
+                                  rows[0]["tokens"], rows[0]["flops"]))
         names = {1.0: f"budget-{m}-{budgets[-1]}-s{b['seeds'][0]}",
                  **{x: f"budget-{m}-{budgets[-1]}-lr{x:g}x" for x in b["recheck"]}}
-        recheck[m] = {x: runs[n]["val_loss"] if n in runs else None for x, n in sorted(names.items())}
+        recheck[m] = {x: runs[n]["val_loss"] if n in runs else None
+                      for x, n in sorted(names.items())}
     return points, recheck
 
 
@@ -546,14 +554,15 @@ def budget_tables(b):
     """The page's section 6 tables: the curve (every budget and model, pending where unfinished, the
     models ranked at each budget) and the rate recheck."""
     points, recheck = budget_points(b)
-    curve = ["| iterations | tokens | model | learning rate | training FLOPs | val loss, seed 1 / seed 2 | "
-             "mean +- half range | rank | train/val gap (mean) |", "|---" * 9 + "|"]
+    curve = ["| iterations | tokens | model | learning rate | training FLOPs | "
+             "val loss, seed 1 / seed 2 | mean +- half range | rank | train/val gap (mean) |",
+             "|---" * 9 + "|"]
     for budget in b["budgets"]:
         done = {m: p for m in b["models"] for p in points[m] if p[0] == budget}
         order = sorted(done, key=lambda m: np.mean(done[m][1]))
         for m, model in b["models"].items():
-            head = f"| {budget} | {budget * b['tokens_per_iter'] / 1e6:.2f}M | {model['label']} | " \
-                   f"{model['learning_rate']:g} |"
+            tokens = budget * b["tokens_per_iter"] / 1e6
+            head = f"| {budget} | {tokens:.2f}M | {model['label']} | {model['learning_rate']:g} |"
             if m not in done:
                 curve.append(head + " pending | pending | pending | | |")
                 continue
@@ -564,12 +573,13 @@ def budget_tables(b):
                          f"{np.mean(gaps):+.4f} |")
     factors = sorted({1.0, *b["recheck"]})
     lr = [f"| model (seed 1, {b['budgets'][-1]} iterations) | "
-          + " | ".join(f"{x:g} x the rate" for x in factors) + " |", "|---" * (len(factors) + 1) + "|"]
+          + " | ".join(f"{x:g} x the rate" for x in factors) + " |",
+          "|---" * (len(factors) + 1) + "|"]
     for m, model in b["models"].items():
         found = [v for v in recheck[m].values() if v is not None]
-        cells = [f"{x * model['learning_rate']:g}: pending" if v is None else
-                 f"{x * model['learning_rate']:g}: " + (f"**{v:.4f}**" if v == min(found) else f"{v:.4f}")
-                 for x, v in recheck[m].items()]
+        bold = lambda v: f"**{v:.4f}**" if v == min(found) else f"{v:.4f}"
+        cell = lambda v: "pending" if v is None else bold(v)
+        cells = [f"{x * model['learning_rate']:g}: {cell(v)}" for x, v in recheck[m].items()]
         lr.append(f"| {model['label']} | " + " | ".join(cells) + " |")
     return dict(budget="\n".join(curve), budget_lr="\n".join(lr))
 
@@ -586,14 +596,15 @@ def budget_figure(b, path):
         color = None
         for ax, x in zip(axes, (0, 3, 4)):
             xs = [p[x] for p in points[m]]
-            ys, err = [mean_spread(p[1])[0] for p in points[m]], [mean_spread(p[1])[1] for p in points[m]]
+            ys, err = zip(*[mean_spread(p[1]) for p in points[m]]) if points[m] else ((), ())
             bars = ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, color=color,
                                label=f"{model['label']} (lr {model['learning_rate']:g})")
             color = bars[0].get_color()
         longest = b["runs"].get(f"budget-{m}-{b['budgets'][-1]}-s{b['seeds'][0]}")
         if longest:
             its = [e[0] for e in longest["evals"] if e[0] > 0]
-            axes[0].plot(its, [e[2] for e in longest["evals"] if e[0] > 0], ":", color=color, alpha=0.7)
+            losses = [e[2] for e in longest["evals"] if e[0] > 0]
+            axes[0].plot(its, losses, ":", color=color, alpha=0.7)
     axes[0].set(xlabel="iterations (= schedule length)", ylabel="validation loss (nats/byte)")
     axes[1].set(xlabel="training tokens")
     axes[2].set(xlabel="training FLOPs")
@@ -604,8 +615,8 @@ def budget_figure(b, path):
         else:
             ax.text(0.5, 0.5, "pending", transform=ax.transAxes, ha="center")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"budget curve on {b['dataset']} (dotted: seed 1's longest run read at each evaluation)",
-                 fontsize=9)
+    fig.suptitle(f"budget curve on {b['dataset']} (dotted: seed 1's longest run read at each "
+                 f"evaluation)", fontsize=9)
     save(fig, path)
 
 
@@ -624,11 +635,13 @@ def budget_ledger(cfg, out):
     rates = budget_rates()
     jobs = budget_plan(cfg, rates)
     meta = prepare.load_meta(prepare.data_dir_of(cfg.data_root, BUDGET_DATASET, "byte"))
-    info = dict(dataset=BUDGET_DATASET, train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
-                tokens_per_iter=BATCH * BLOCK, budgets=list(QUICK_BUDGETS if cfg.quick else BUDGETS),
+    info = dict(dataset=BUDGET_DATASET, train_tokens=meta["train_tokens"],
+                val_tokens=meta["val_tokens"], tokens_per_iter=BATCH * BLOCK,
+                budgets=list(QUICK_BUDGETS if cfg.quick else BUDGETS),
                 seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,
                 models={m: dict(label=MODELS[m][0], learning_rate=rates[m]) for m in BUDGET_MODELS})
-    return jobs, Ledger(os.path.join(out, "results.json"), jobs, info, lambda r: render_budget(r, out))
+    draw = lambda r: render_budget(r, out)
+    return jobs, Ledger(os.path.join(out, "results.json"), jobs, info, draw)
 
 
 def run_budget(cfg, out):
@@ -640,10 +653,11 @@ def run_budget(cfg, out):
 def main(argv):
     cfg, _ = parse_config(argv, ReproduceConfig)
     paper, budget = cfg.only in ("", "paper"), cfg.only in ("", "budget")
-    datasets = (("shakespeare", "wikitext2_test") if paper else ()) + ((BUDGET_DATASET,) if budget else ())
+    datasets = ("shakespeare", "wikitext2_test") if paper else ()
+    datasets += (BUDGET_DATASET,) if budget else ()
     for dataset in datasets:  # once, before the jobs that read them run side by side
         prepare.prepare(dataset, "byte", data_root=cfg.data_root)
-    out = os.path.join(cfg.runs, "results") if cfg.quick else RESULTS  # a quick run never touches the page
+    out = os.path.join(cfg.runs, "results") if cfg.quick else RESULTS  # quick: never the page
     start = time.time()
     failed = run(plan(cfg), cfg.jobs, results_of(cfg.runs), cfg.runs) if paper else []
     if paper and not failed:

@@ -81,8 +81,8 @@ def test_missing_files_are_clear_errors(tmp_path):
 def test_unknown_tokenizer_and_dataset_name_the_choices(tmp_path):
     with pytest.raises(UserError, match="unknown tokenizer 'bpe'; use 'byte' or a tiktoken encoding: .*gpt2"):
         get_tokenizer("bpe")
-    with pytest.raises(UserError, match="unknown dataset 'books'; shipped in data/: shakespeare, wikitext2_test, "
-                                        "shakespeare_wikitext; "
+    with pytest.raises(UserError, match="unknown dataset 'books'; shipped in data/: shakespeare, "
+                                        "wikitext2_test, shakespeare_wikitext; "
                                         "downloadable: .*openwebtext; any name works with --input_file"):
         prepare("books", "byte", data_root=str(tmp_path))
 
@@ -112,7 +112,7 @@ def test_shipped_corpora_prepare_without_network(tmp_path, monkeypatch, dataset,
 
 
 def test_shakespeare_wikitext_holds_out_the_last_tenth_of_each_text(tmp_path, monkeypatch):
-    """The budget curve's corpus (experiments/reproduce.py, 6): both texts, each validated on its own end."""
+    """The budget curve's corpus (experiments/reproduce.py, 6): each text validated on its end."""
     no_network(monkeypatch)
     data_dir = prepare("shakespeare_wikitext", "byte", data_root=str(tmp_path))
     texts = [open(os.path.join(ROOT, "data", n), encoding="utf-8", newline="").read()
