@@ -3,14 +3,15 @@ Turn text into token-id memmaps (nanoGPT's train.bin / val.bin) plus a meta.json
 
     python prepare.py                                             # tiny Shakespeare (shipped in data/), bytes
     python prepare.py --dataset=wikitext2_test                    # WikiText-2 test/valid (shipped in data/)
+    python prepare.py --dataset=shakespeare_wikitext              # both, each's last 10% held out
     python prepare.py --dataset=openwebtext --tokenizer=gpt2      # nanoGPT's OpenWebText recipe (download)
     python prepare.py --dataset=wikitext103 --tokenizer=gpt2      # download
     python prepare.py --dataset=mytext --input_file=a.txt,b.txt   # any local text, last 10% held out
     python prepare.py --dataset=mytext --input_file=train.txt --val_file=valid.txt
 
 The data lands in data/<dataset>_<tokenizer>/. Shipped with the repository (data/README.md):
-shakespeare, wikitext2_test. Downloaded from Hugging Face: wikitext2 (raw, full), wikitext103,
-openwebtext; offline, point the same command at local text with --input_file.
+shakespeare, wikitext2_test, shakespeare_wikitext. Downloaded from Hugging Face: wikitext2 (raw,
+full), wikitext103, openwebtext; offline, point the same command at local text with --input_file.
 A directory whose meta.json records the same source and tokenizer is reused, not rebuilt.
 Differences from nanoGPT: one script for every dataset, byte tokens as well as tiktoken, and the
 meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
@@ -32,6 +33,7 @@ SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SHIPPED = {  # corpora in the repository's data/ folder (data/README.md): name: (training text, validation text)
     "shakespeare": ("tinyshakespeare/input.txt", ""),  # "": the last 10% is held out
     "wikitext2_test": ("wikitext-2/test.txt", "wikitext-2/valid.txt"),
+    "shakespeare_wikitext": (("tinyshakespeare/input.txt", "wikitext-2/test.txt"), ""),  # 10% each
 }
 HF_DATASETS = {  # name: (load_dataset arguments, separator that joins the rows of a split)
     "wikitext2": (("Salesforce/wikitext", "wikitext-2-raw-v1"), ""),  # raw lines keep their "\n"
@@ -147,8 +149,12 @@ def split_90_10(text):
     return text[:cut], text[cut:]
 
 
-def load_text(dataset, paths, val_file):
-    """(train text, val text) of local files, or of a downloaded Hugging Face dataset."""
+def load_text(dataset, paths, val_file, split_each=False):
+    """(train text, val text) of local files, or of a downloaded Hugging Face dataset. split_each:
+    the last 10% of every file is held out, not of the files joined."""
+    if split_each:
+        parts = [split_90_10(read_files([path])) for path in paths]
+        return "\n".join(train for train, _ in parts), "\n".join(val for _, val in parts)
     if paths:
         text = read_files(paths)
         return (text, read_files([val_file])) if val_file else split_90_10(text)
@@ -197,11 +203,15 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     paths = [p.strip() for p in input_file.split(",") if p.strip()]
     if not paths and val_file:
         raise UserError("--val_file needs --input_file (the training text)")
+    split_each = not paths and isinstance(SHIPPED.get(dataset, ("",))[0], tuple)  # several texts
     if not paths and dataset in SHIPPED:
-        paths, val_file = [os.path.join(SHIPPED_ROOT, SHIPPED[dataset][0])], SHIPPED[dataset][1]
+        train, val_file = SHIPPED[dataset]
+        paths = [os.path.join(SHIPPED_ROOT, p) for p in (train if split_each else (train,))]
         val_file = val_file and os.path.join(SHIPPED_ROOT, val_file)
     if paths:
-        source = file_source(paths) + "; val: " + (file_source([val_file]) if val_file else "the last 10%")
+        held_out = "the last 10% of each" if split_each else "the last 10%"
+        val = file_source([val_file]) if val_file else held_out
+        source = file_source(paths) + "; val: " + val
     elif dataset in HF_DATASETS:
         source = "huggingface: " + " ".join(HF_DATASETS[dataset][0])
     else:
@@ -217,7 +227,8 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     make_dir(data_root, "data_root")  # a file in the way, or read-only: one line, before any work
     tok = get_tokenizer(tokenizer)
     corpus = dataset == "openwebtext" and not paths  # tokenised document by document, written in shards
-    splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), load_text(dataset, paths, val_file)))
+    texts = None if corpus else load_text(dataset, paths, val_file, split_each)
+    splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), texts))
     os.makedirs(data_dir, exist_ok=True)
     if os.path.isfile(meta_path):
         os.remove(meta_path)  # the .bin files are about to change: a stale meta must not describe them

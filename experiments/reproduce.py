@@ -3,6 +3,7 @@ Reproduce the paper's experiments at laptop scale: every number and figure of re
 
     python -m experiments.reproduce            # about 80 minutes on 2 CPU cores; run again to resume
     python -m experiments.reproduce --quick    # every job for a few iterations: checks the pipeline (~10 min)
+    python -m experiments.reproduce --only=budget --jobs=1   # 6. the budget curve alone (~7 h)
 
 Each experiment is a run of this repository's own tools (train.py, finetune.py, experiments/depth.py,
 analyze.py) in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
@@ -21,6 +22,12 @@ The experiments (Tong et al., ICLR 2025; results/README.md says what each one sh
 4. Adaptive compute: validation loss against step count and solver, for the authors' training and
    the any-depth training (config/anydepth.py).
 5. The analysis figures (Fig. 2, Fig. 3): spectra of the ODE and the GPT, clustering, Lyapunov.
+6. The budget curve: GPT, weight sharing and DiffEqFormer at their best rates of 1., each trained
+   with a schedule as long as its budget (500 to 4000 iterations), two seeds, on tiny Shakespeare
+   and WikiText-2's test split together; and each rate halved and doubled at the longest budget.
+   Each of its jobs is recorded in results.json as it finishes, and the page's section 6 rewritten:
+   a run spread over sessions resumes from the committed json, even without the run folders.
+--only=paper runs 1-5, --only=budget runs 6 (at the rates that results/results.json holds).
 """
 import json
 import os
@@ -62,6 +69,13 @@ ABLATIONS = {  # key: (label, options added to DiffEqFormer at its best learning
 FINETUNE_STEPS = (9, 12, 18, 24)
 FINETUNE_LR = {"lora": 2e-3, "full": 1e-3}
 DEPTH_STEPS = "4,6,8,12,18,24,36"
+BUDGETS = (500, 1000, 2000, 4000)  # 6.: iterations, each the length of the whole schedule
+QUICK_BUDGETS = (2, 4)
+BUDGET_MODELS = ("gpt", "shared", "diffeq")  # the Llama pair is left out (time)
+BUDGET_DATASET = "shakespeare_wikitext"  # prepare.py: both texts, the last 10% of each held out
+BUDGET_EVAL = 500  # iterations between a budget run's evaluations (and at its end)
+RECHECK = (0.5, 2.0)  # the best rate times these, at the longest budget, seed 1
+BATCH, BLOCK = 16, 128  # sequences per iteration and tokens per sequence (config/shakespeare.py)
 
 
 @dataclass
@@ -70,10 +84,13 @@ class ReproduceConfig:
     jobs: int = 2  # subprocesses at a time, one thread each
     quick: bool = False  # a few iterations per job: checks the pipeline, the numbers mean nothing
     data_root: str = "data"
+    only: str = ""  # "paper" (experiments 1-5), "budget" (6), or "" (all)
 
     def __post_init__(self):
         if self.jobs < 1:
             raise ValueError(f"jobs={self.jobs} must be at least 1")
+        if self.only not in ("", "paper", "budget"):
+            raise ValueError(f"only={self.only!r}: use paper or budget (or leave it out for both)")
 
 
 # -- jobs -------------------------------------------------------------------------------------------
@@ -86,6 +103,8 @@ class Job:
     argv: object  # list of arguments after `python`, or a function (results) -> that list
     after: tuple = ()
     cost: float = 1.0  # relative running time: the longest ready job starts first
+    stage: int = 0  # ready jobs of a lower stage start before any of a higher one
+    meta: dict = None  # what a Ledger records beside the job's results
 
 
 def final_val_loss(run_dir):
@@ -171,9 +190,11 @@ def finished(folder, argv):
     return os.path.exists(path) and json.load(open(path))["argv"] == argv
 
 
-def run(jobs, workers, results_of, runs):
+def run(jobs, workers, results_of, runs, ledger=None):
     """Run the jobs, `workers` at a time with one thread each, each in its folder runs/<name>, a job once
-    everything in its `after` is done; a job that already finished with the same command is skipped.
+    everything in its `after` is done; a job that already finished with the same command is skipped,
+    as is one that `ledger` (a Ledger) holds with the same command; a finished job is recorded
+    in it.
     The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
@@ -185,16 +206,24 @@ def run(jobs, workers, results_of, runs):
         (done if ok else failed).add(name)
         bar.update()
 
+    jobs_by_name = {job.name: job for job in jobs}
     while pending or running:
         for name in [n for n, job in pending.items() if any(a in failed for a in job.after)]:
             end(name, False)  # never runs: something it needs failed (its own dependents follow next pass)
-        ready = sorted((job for job in pending.values() if all(a in done for a in job.after)), key=lambda j: -j.cost)
+        ready = sorted((job for job in pending.values() if all(a in done for a in job.after)),
+                       key=lambda j: (j.stage, -j.cost))
         results = results_of(done) if any(callable(job.argv) for job in ready) else {}
         skipped = False
         for job in ready:
             argv = job.argv(results) if callable(job.argv) else job.argv
             folder = os.path.join(runs, job.name)
-            if finished(folder, argv):
+            if ledger and ledger.has(job.name, argv):  # recorded: no folder needed
+                end(job.name, True)
+                skipped = True
+            elif finished(folder, argv):
+                if ledger and ledger.keeps(job.name):  # finished, but killed before it was recorded
+                    seconds = json.load(open(os.path.join(folder, "done")))["seconds"]
+                    ledger.record(job, folder, argv, seconds)
                 end(job.name, True)
                 skipped = True
             elif len(running) < workers:
@@ -219,12 +248,16 @@ def run(jobs, workers, results_of, runs):
                 continue
             log.close()
             del running[name]
-            if proc.returncode == 0:
+            ok = proc.returncode == 0
+            if ok:
+                seconds = round(time.time() - start, 1)
                 with open(os.path.join(folder, "done"), "w") as f:
-                    json.dump(dict(seconds=round(time.time() - start, 1), argv=argv), f)
+                    json.dump(dict(seconds=seconds, argv=argv), f)
+                if ledger and ledger.keeps(name):
+                    ledger.record(jobs_by_name[name], folder, argv, seconds)
             else:
                 bar.write(f"{name} failed (exit {proc.returncode}): see {os.path.join(folder, 'stdout.log')}")
-            end(name, proc.returncode == 0)
+            end(name, ok)
     bar.close()
     return sorted(failed)
 
@@ -307,8 +340,9 @@ def tables(r):
         cells = [p["val_loss"] for t in ("authors", "anydepth") for s in ("euler", "midpoint", "rk4")
                  for p in r["depth"][t] if p["steps"] == n and p["solver"] == s]
         depth.append(f"| {n} | " + " | ".join(f"{v:.4f}" for v in cells) + " |")
+    six = budget_tables(r["budget"]) if "budget" in r else {}  # 6., once it has started
     return dict(table1="\n".join(t1), sweep="\n".join(sweep), ablations="\n".join(ab), finetune="\n".join(ft),
-                adaptive="\n".join(depth))
+                adaptive="\n".join(depth), **six)
 
 
 def fill_markers(text, tables):
@@ -403,26 +437,251 @@ def save(fig, path):
     plt.close(fig)
 
 
+# -- 6. the budget curve ---------------------------------------------------------------------------
+
+def budget_rates(path=None):
+    """Each budget model's best learning rate in the sweep of results.json (section 1)."""
+    path = path or os.path.join(RESULTS, "results.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{path} does not exist: the budget curve uses the sweep's rates "
+                        f"(--only=paper)")
+    table1 = json.load(open(path))["table1"]
+    return {m: table1[m]["learning_rate"] for m in BUDGET_MODELS}
+
+
+def budget_plan(cfg, rates):
+    """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
+    run is a complete curve over fewer budgets), then the rate recheck at the longest."""
+    budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
+    evals = ["--eval_iters=2"] if cfg.quick else []
+
+    def job(name, model, budget, seed, factor, stage):
+        lr = rates[model] * factor
+        argv = ["train.py", *MODELS[model][1], f"--data_root={cfg.data_root}",
+                f"--dataset={BUDGET_DATASET}", f"--max_iters={budget}",
+                f"--eval_interval={min(budget, BUDGET_EVAL)}", *evals,
+                f"--learning_rate={lr:g}", f"--seed={seed}", f"--out_dir={cfg.runs}/{name}"]
+        meta = dict(model=model, budget=budget, seed=seed, learning_rate=float(f"{lr:g}"),
+                    factor=factor)
+        return Job(name, argv, cost=budget / ITERS, stage=stage, meta=meta)
+
+    jobs = [job(f"budget-{m}-{b}-s{seed}", m, b, seed, 1.0, 1 + i)
+            for i, b in enumerate(budgets) for seed in SEEDS for m in BUDGET_MODELS]
+    longest, last = budgets[-1], 1 + len(budgets)
+    jobs += [job(f"budget-{m}-{longest}-lr{x:g}x", m, longest, SEEDS[0], x, last)
+             for m in BUDGET_MODELS for x in RECHECK]
+    return jobs
+
+
+def budget_row(job, folder, argv, seconds):
+    """What results.json keeps of a finished budget job: its last evaluation, every evaluation, and
+    its tokens and training FLOPs (common.flops_per_token: 3 x the forward pass)."""
+    import common
+    from model import DiffEqFormer, ModelConfig
+    rows = [json.loads(line) for line in open(os.path.join(folder, "log.jsonl"))]
+    evals = [r for r in rows if "val_loss" in r]
+    mcfg = ModelConfig(**common.load(os.path.join(folder, "ckpt.pt"))["model_config"])
+    model = DiffEqFormer(mcfg)
+    hyper = sum(p.numel() for n, p in model.named_parameters() if n.startswith("hyper."))
+    per_iter = BATCH * mcfg.block_size
+    per_token = common.flops_per_token(mcfg, hyper, per_iter)
+    tokens = job.meta["budget"] * per_iter
+    return dict(**job.meta, val_loss=evals[-1]["val_loss"], train_loss=evals[-1]["train_loss"],
+                params=model.num_params(), tokens=tokens, flops_per_token=per_token,
+                flops=per_token * tokens,
+                evals=[[r["iter"], r["train_loss"], r["val_loss"]] for r in evals],
+                seconds=seconds, argv=argv)
+
+
+class Ledger:
+    """The budget jobs' record in results.json ["budget"]["runs"], written as each job finishes, so
+    that a run spread over sessions resumes from the committed json: a job recorded with the same
+    command is skipped even without its folder. After each record, `render(r)` redraws the page."""
+
+    def __init__(self, path, plan, info, render=lambda r: None):
+        self.path, self.render = path, render
+        self.argv = {job.name: job.argv for job in plan}
+        r = self.read()
+        old = r.get("budget", {}).get("runs", {})
+        runs = {n: row for n, row in old.items() if self.argv.get(n) == row["argv"]}  # planned
+        r["budget"] = dict(info, jobs={job.name: job.meta for job in plan}, runs=runs)
+        self.write(r)
+
+    def read(self):
+        return json.load(open(self.path)) if os.path.isfile(self.path) else {}
+
+    def write(self, r):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(r, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
+        self.render(r)
+
+    def keeps(self, name):
+        return name in self.argv
+
+    def has(self, name, argv):
+        row = self.read().get("budget", {}).get("runs", {}).get(name)
+        return row is not None and row["argv"] == argv
+
+    def record(self, job, folder, argv, seconds):
+        r = self.read()
+        r["budget"]["runs"][job.name] = budget_row(job, folder, argv, seconds)
+        self.write(r)
+
+
+def budget_points(b):
+    """{model: [(budget, [seed losses], [seed gaps], tokens, flops)]} of the finished budgets, and
+    {model: {factor: val loss}} of the recheck at the longest budget (1: seed 1, the best rate)."""
+    runs, budgets = b["runs"], b["budgets"]
+    points, recheck = {}, {}
+    for m in b["models"]:
+        points[m] = []
+        for budget in budgets:
+            rows = [runs.get(f"budget-{m}-{budget}-s{seed}") for seed in b["seeds"]]
+            if all(rows):
+                points[m].append((budget, [r["val_loss"] for r in rows],
+                                  [r["val_loss"] - r["train_loss"] for r in rows],
+                                  rows[0]["tokens"], rows[0]["flops"]))
+        names = {1.0: f"budget-{m}-{budgets[-1]}-s{b['seeds'][0]}",
+                 **{x: f"budget-{m}-{budgets[-1]}-lr{x:g}x" for x in b["recheck"]}}
+        recheck[m] = {x: runs[n]["val_loss"] if n in runs else None
+                      for x, n in sorted(names.items())}
+    return points, recheck
+
+
+def budget_tables(b):
+    """The page's section 6 tables: the curve (every budget and model, pending where unfinished, the
+    models ranked at each budget) and the rate recheck."""
+    points, recheck = budget_points(b)
+    curve = ["| iterations | tokens | model | learning rate | training FLOPs | "
+             "val loss, seed 1 / seed 2 | mean +- half range | rank | train/val gap (mean) |",
+             "|---" * 9 + "|"]
+    for budget in b["budgets"]:
+        done = {m: p for m in b["models"] for p in points[m] if p[0] == budget}
+        order = sorted(done, key=lambda m: np.mean(done[m][1]))
+        for m, model in b["models"].items():
+            tokens = budget * b["tokens_per_iter"] / 1e6
+            head = f"| {budget} | {tokens:.2f}M | {model['label']} | {model['learning_rate']:g} |"
+            if m not in done:
+                curve.append(head + " pending | pending | pending | | |")
+                continue
+            _, losses, gaps, _, flops = done[m]
+            mean, spread = mean_spread(losses)
+            curve.append(f"{head} {flops:.3g} | {' / '.join(f'{v:.4f}' for v in losses)} | "
+                         f"{mean:.4f} +- {spread:.4f} | {order.index(m) + 1} of {len(done)} | "
+                         f"{np.mean(gaps):+.4f} |")
+    factors = sorted({1.0, *b["recheck"]})
+    lr = [f"| model (seed 1, {b['budgets'][-1]} iterations) | "
+          + " | ".join(f"{x:g} x the rate" for x in factors) + " |",
+          "|---" * (len(factors) + 1) + "|"]
+    for m, model in b["models"].items():
+        found = [v for v in recheck[m].values() if v is not None]
+        bold = lambda v: f"**{v:.4f}**" if v == min(found) else f"{v:.4f}"
+        cell = lambda v: "pending" if v is None else bold(v)
+        cells = [f"{x * model['learning_rate']:g}: {cell(v)}" for x, v in recheck[m].items()]
+        lr.append(f"| {model['label']} | " + " | ".join(cells) + " |")
+    return dict(budget="\n".join(curve), budget_lr="\n".join(lr))
+
+
+def budget_figure(b, path):
+    """Validation loss (mean of the seeds, half their range as the bar) against iterations, tokens
+    and training FLOPs; dotted: every evaluation of the longest runs (a long run read early)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points, _ = budget_points(b)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharey=True)
+    for m, model in b["models"].items():
+        color = None
+        for ax, x in zip(axes, (0, 3, 4)):
+            xs = [p[x] for p in points[m]]
+            ys, err = zip(*[mean_spread(p[1]) for p in points[m]]) if points[m] else ((), ())
+            bars = ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, color=color,
+                               label=f"{model['label']} (lr {model['learning_rate']:g})")
+            color = bars[0].get_color()
+        longest = b["runs"].get(f"budget-{m}-{b['budgets'][-1]}-s{b['seeds'][0]}")
+        if longest:
+            its = [e[0] for e in longest["evals"] if e[0] > 0]
+            losses = [e[2] for e in longest["evals"] if e[0] > 0]
+            axes[0].plot(its, losses, ":", color=color, alpha=0.7)
+    axes[0].set(xlabel="iterations (= schedule length)", ylabel="validation loss (nats/byte)")
+    axes[1].set(xlabel="training tokens")
+    axes[2].set(xlabel="training FLOPs")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if any(points.values()):
+            ax.set_xscale("log")
+        else:
+            ax.text(0.5, 0.5, "pending", transform=ax.transAxes, ha="center")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"budget curve on {b['dataset']} (dotted: seed 1's longest run read at each "
+                 f"evaluation)", fontsize=9)
+    save(fig, path)
+
+
+def render_budget(r, out):
+    """Section 6 of the page in `out` (its tables and figure) from the json `r`."""
+    os.makedirs(os.path.join(out, "figures"), exist_ok=True)
+    budget_figure(r["budget"], os.path.join(out, "figures", "budget.png"))
+    source = os.path.join(out, "README.md")
+    page = open(source if os.path.isfile(source) else os.path.join(RESULTS, "README.md")).read()
+    with open(source, "w") as f:
+        f.write(fill_markers(page, budget_tables(r["budget"])))
+
+
+def budget_ledger(cfg, out):
+    """Experiment 6's jobs, and their Ledger in out/results.json (drawn on out/README.md)."""
+    rates = budget_rates()
+    jobs = budget_plan(cfg, rates)
+    meta = prepare.load_meta(prepare.data_dir_of(cfg.data_root, BUDGET_DATASET, "byte"))
+    info = dict(dataset=BUDGET_DATASET, train_tokens=meta["train_tokens"],
+                val_tokens=meta["val_tokens"], tokens_per_iter=BATCH * BLOCK,
+                budgets=list(QUICK_BUDGETS if cfg.quick else BUDGETS),
+                seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,
+                models={m: dict(label=MODELS[m][0], learning_rate=rates[m]) for m in BUDGET_MODELS})
+    draw = lambda r: render_budget(r, out)
+    return jobs, Ledger(os.path.join(out, "results.json"), jobs, info, draw)
+
+
+def run_budget(cfg, out):
+    """Experiment 6, recorded job by job. Returns the failed jobs' names."""
+    jobs, ledger = budget_ledger(cfg, out)
+    return run(jobs, cfg.jobs, results_of(cfg.runs), cfg.runs, ledger)
+
+
 def main(argv):
     cfg, _ = parse_config(argv, ReproduceConfig)
-    for dataset in ("shakespeare", "wikitext2_test"):  # once, before the jobs that read them run side by side
+    paper, budget = cfg.only in ("", "paper"), cfg.only in ("", "budget")
+    datasets = ("shakespeare", "wikitext2_test") if paper else ()
+    datasets += (BUDGET_DATASET,) if budget else ()
+    for dataset in datasets:  # once, before the jobs that read them run side by side
         prepare.prepare(dataset, "byte", data_root=cfg.data_root)
+    out = os.path.join(cfg.runs, "results") if cfg.quick else RESULTS  # quick: never the page
     start = time.time()
-    failed = run(plan(cfg), cfg.jobs, results_of(cfg.runs), cfg.runs)
+    failed = run(plan(cfg), cfg.jobs, results_of(cfg.runs), cfg.runs) if paper else []
+    if paper and not failed:
+        print(f"jobs finished in {(time.time() - start) / 60:.1f} min")
+        r = summarise(cfg.runs)
+        path = os.path.join(out, "results.json")
+        old = json.load(open(path)) if os.path.isfile(path) else {}
+        if "budget" in old:
+            r["budget"] = old["budget"]  # experiment 6's record, kept
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(r, f, indent=1)
+        figures(r, cfg.runs, os.path.join(out, "figures"))
+        page = open(os.path.join(RESULTS, "README.md")).read()
+        with open(os.path.join(out, "README.md"), "w") as f:
+            f.write(fill_markers(page, tables(r)))
+        print(f"wrote {out}/README.md, results.json and figures/")
+    if budget and not failed:
+        failed = run_budget(cfg, out)
+        if not failed:
+            print(f"wrote section 6 of {out}/README.md, results.json and figures/budget.png")
     if failed:
         raise UserError(f"{len(failed)} jobs failed or could not run: {', '.join(failed)} (logs in {cfg.runs}/<job>/stdout.log); "
                         f"run the same command again to retry them")
-    print(f"jobs finished in {(time.time() - start) / 60:.1f} min")
-    out = os.path.join(cfg.runs, "results") if cfg.quick else RESULTS  # a quick run never touches the page
-    r = summarise(cfg.runs)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(r, f, indent=1)
-    figures(r, cfg.runs, os.path.join(out, "figures"))
-    page = open(os.path.join(RESULTS, "README.md")).read()
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(fill_markers(page, tables(r)))
-    print(f"wrote {out}/README.md, results.json and figures/")
 
 
 if __name__ == "__main__":

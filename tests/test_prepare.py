@@ -81,7 +81,8 @@ def test_missing_files_are_clear_errors(tmp_path):
 def test_unknown_tokenizer_and_dataset_name_the_choices(tmp_path):
     with pytest.raises(UserError, match="unknown tokenizer 'bpe'; use 'byte' or a tiktoken encoding: .*gpt2"):
         get_tokenizer("bpe")
-    with pytest.raises(UserError, match="unknown dataset 'books'; shipped in data/: shakespeare, wikitext2_test; "
+    with pytest.raises(UserError, match="unknown dataset 'books'; shipped in data/: shakespeare, "
+                                        "wikitext2_test, shakespeare_wikitext; "
                                         "downloadable: .*openwebtext; any name works with --input_file"):
         prepare("books", "byte", data_root=str(tmp_path))
 
@@ -108,6 +109,20 @@ def test_shipped_corpora_prepare_without_network(tmp_path, monkeypatch, dataset,
     else:
         val = open(os.path.join(ROOT, "data", val_file), "rb").read()
     assert bytes(load_tokens(data_dir, "train").tolist()) == text and bytes(load_tokens(data_dir, "val").tolist()) == val
+
+
+def test_shakespeare_wikitext_holds_out_the_last_tenth_of_each_text(tmp_path, monkeypatch):
+    """The budget curve's corpus (experiments/reproduce.py, 6): each text validated on its end."""
+    no_network(monkeypatch)
+    data_dir = prepare("shakespeare_wikitext", "byte", data_root=str(tmp_path))
+    texts = [open(os.path.join(ROOT, "data", n), encoding="utf-8", newline="").read()
+             for n in ("tinyshakespeare/input.txt", "wikitext-2/test.txt")]
+    cuts = [int(len(t) * 0.9) for t in texts]
+    train = "\n".join(t[:c] for t, c in zip(texts, cuts)).encode()
+    val = "\n".join(t[c:] for t, c in zip(texts, cuts)).encode()
+    assert bytes(load_tokens(data_dir, "train").tolist()) == train
+    assert bytes(load_tokens(data_dir, "val").tolist()) == val
+    assert load_meta(data_dir)["source"].endswith("; val: the last 10% of each")
 
 
 def test_shipped_corpora_are_the_shared_ones():

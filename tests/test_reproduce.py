@@ -78,7 +78,7 @@ def test_fill_markers_replaces_only_between_markers():
 
 def test_the_page_has_a_marker_for_every_table():
     page = open(os.path.join(reproduce.RESULTS, "README.md")).read()
-    for name in ("table1", "sweep", "ablations", "finetune", "adaptive"):
+    for name in ("table1", "sweep", "ablations", "finetune", "adaptive", "budget", "budget_lr"):
         assert f"<!-- results:{name} -->" in page and f"<!-- /results:{name} -->" in page
 
 
@@ -94,3 +94,140 @@ def test_the_committed_page_holds_the_tables_of_its_results_json():
         mean = sum(row["seeds"]) / len(row["seeds"])
         spread = (max(row["seeds"]) - min(row["seeds"])) / 2
         assert f"| {mean:.4f} +- {spread:.4f} | {math.exp(mean):.2f} |" in tables["table1"]
+
+
+# -- 6. the budget curve ---------------------------------------------------------------------------
+
+RATES = dict(gpt=1.5e-3, shared=1.5e-3, diffeq=3e-3)
+
+
+def option(argv, name):
+    found = [a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")]
+    return found[0] if found else None
+
+
+def test_each_budget_job_is_a_whole_schedule_of_its_budget_shortest_first(tmp_path):
+    jobs = reproduce.budget_plan(ReproduceConfig(runs=str(tmp_path)), RATES)
+    budgets, seeds, recheck = reproduce.BUDGETS, reproduce.SEEDS, reproduce.RECHECK
+    assert len(jobs) == len(budgets) * len(seeds) * 3 + 3 * len(recheck)
+    for job in jobs:
+        budget = job.meta["budget"]
+        assert int(option(job.argv, "max_iters")) == budget  # the cosine's length (train.py)
+        assert option(job.argv, "stop_at") is None and option(job.argv, "lr_decay_iters") is None
+        assert budget % int(option(job.argv, "eval_interval")) == 0  # evaluated at the very end
+        assert option(job.argv, "dataset") == "shakespeare_wikitext"
+        rate = RATES[job.meta["model"]] * job.meta["factor"]
+        assert float(option(job.argv, "learning_rate")) == pytest.approx(rate)
+    ordered = sorted(jobs, key=lambda j: (j.stage, -j.cost))  # run()'s order
+    stages, budgets = [job.stage for job in ordered], [job.meta["budget"] for job in ordered]
+    assert stages == sorted(stages) and budgets == sorted(budgets)  # partial: the short budgets
+    longest = reproduce.BUDGETS[-1]
+    assert {job.meta["factor"] for job in jobs if job.meta["budget"] == longest} == {0.5, 1.0, 2.0}
+    assert {job.meta["factor"] for job in jobs if job.meta["budget"] < longest} == {1.0}
+
+
+def test_budget_rates_come_from_the_committed_sweep():
+    r = json.load(open(os.path.join(reproduce.RESULTS, "results.json")))
+    rates = {m: r["table1"][m]["learning_rate"] for m in reproduce.BUDGET_MODELS}
+    assert reproduce.budget_rates() == rates
+
+
+def test_run_starts_the_lower_stage_first(tmp_path):
+    order = tmp_path / "order.txt"
+    jobs = [Job(f"j{i}", python(f"open({str(order)!r}, 'a').write('{i}')"), stage=stage, cost=cost)
+            for i, (stage, cost) in enumerate([(2, 1.0), (1, 1.0), (1, 5.0), (3, 9.0)])]
+    assert reproduce.run(jobs, 1, lambda done: {}, tmp_path) == []
+    assert order.read_text() == "2103"  # stage 1 (longest first), then 2, then 3
+
+
+def fake_row(job, folder, argv, seconds):
+    return dict(**job.meta, val_loss=2.0, train_loss=1.9, tokens=1, flops=1.0, evals=[], argv=argv)
+
+
+def test_a_recorded_budget_job_is_skipped_without_its_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(reproduce, "budget_row", fake_row)
+    count = tmp_path / "count.txt"
+    plan = [Job(f"job{i}", python(f"open({str(count)!r}, 'a').write('x')"), meta=dict(i=i))
+            for i in range(2)]
+    path, runs = str(tmp_path / "results.json"), tmp_path / "runs"
+    drawn = []
+    ledger = reproduce.Ledger(path, plan, dict(budgets=[1]), drawn.append)
+    assert reproduce.run(plan, 1, lambda done: {}, runs, ledger) == []
+    assert count.read_text() == "xx"
+    recorded = json.load(open(path))["budget"]
+    assert set(recorded["runs"]) == {"job0", "job1"} and recorded["budgets"] == [1]
+    assert drawn[-1] == json.load(open(path))  # the page is redrawn from what was written
+    import shutil
+    shutil.rmtree(runs)  # another session: only the committed json
+    ledger = reproduce.Ledger(path, plan, dict(budgets=[1]), drawn.append)
+    assert reproduce.run(plan, 1, lambda done: {}, runs, ledger) == []
+    assert count.read_text() == "xx"  # neither ran again
+    plan[1].argv = python(f"open({str(count)!r}, 'a').write('y')")  # a changed command runs again
+    ledger = reproduce.Ledger(path, plan, dict(budgets=[1]), drawn.append)
+    assert set(json.load(open(path))["budget"]["runs"]) == {"job0"}  # the stale record is dropped
+    assert reproduce.run(plan, 1, lambda done: {}, runs, ledger) == []
+    assert count.read_text() == "xxy"
+    assert json.load(open(path))["budget"]["runs"]["job1"]["argv"] == plan[1].argv
+
+
+def test_a_job_finished_on_disk_but_not_recorded_is_recorded_without_running(tmp_path, monkeypatch):
+    monkeypatch.setattr(reproduce, "budget_row", fake_row)
+    plan = [Job("job", python("raise SystemExit(1)"), meta=dict(model="gpt"))]
+    os.makedirs(tmp_path / "job")
+    json.dump(dict(seconds=3.0, argv=plan[0].argv), open(tmp_path / "job" / "done", "w"))
+    ledger = reproduce.Ledger(str(tmp_path / "r.json"), plan, {})
+    assert reproduce.run(plan, 1, lambda done: {}, tmp_path, ledger) == []  # it fails if run
+    assert "job" in json.load(open(tmp_path / "r.json"))["budget"]["runs"]
+
+
+def test_budget_row_counts_tokens_and_training_flops(tmp_path):
+    import common
+    from model import DiffEqFormer, ModelConfig
+    from conftest import TINY
+    mcfg = ModelConfig(**TINY, model_type="diffeq")
+    common.save(dict(kind=common.MODEL, model_config=mcfg.to_dict()), str(tmp_path / "ckpt.pt"))
+    write_log(tmp_path, [3.0, 2.5])
+    meta = dict(model="diffeq", budget=20, seed=1, learning_rate=3e-3, factor=1.0)
+    job = Job("budget-diffeq-20-s1", [], meta=meta)
+    row = reproduce.budget_row(job, str(tmp_path), ["x"], 9.0)
+    named = DiffEqFormer(mcfg).named_parameters()
+    hyper = sum(p.numel() for n, p in named if n.startswith("hyper."))
+    per_iter = reproduce.BATCH * mcfg.block_size
+    assert row["tokens"] == 20 * per_iter
+    assert row["flops"] == common.flops_per_token(mcfg, hyper, per_iter) * 20 * per_iter
+    assert (row["val_loss"], row["train_loss"]) == (2.5, 2.5) and row["evals"][0] == [0, 3.0, 3.0]
+
+
+def budget_record(runs):
+    models = {m: dict(label=m.upper(), learning_rate=1e-3) for m in ("gpt", "diffeq")}
+    return dict(dataset="d", tokens_per_iter=2048, budgets=[500, 1000], seeds=[1, 2],
+                recheck=[0.5, 2.0], models=models, runs=runs)
+
+
+def test_budget_tables_show_pending_jobs_the_seed_spread_and_the_rank():
+    assert "pending" in reproduce.budget_tables(budget_record({}))["budget"]
+    row = lambda loss, train: dict(val_loss=loss, train_loss=train, tokens=1, flops=8e15, evals=[])
+    runs = {"budget-gpt-500-s1": row(2.2, 2.1), "budget-gpt-500-s2": row(2.4, 2.2),
+            "budget-diffeq-500-s1": row(2.25, 2.2), "budget-diffeq-500-s2": row(2.25, 2.2),
+            "budget-gpt-1000-lr2x": row(2.0, 1.9)}
+    tables = reproduce.budget_tables(budget_record(runs))
+    lines = tables["budget"].splitlines()
+    assert ("| 500 | 1.02M | GPT | 0.001 | 8e+15 | 2.2000 / 2.4000 | 2.3000 +- 0.1000 | 2 of 2 | "
+            "+0.1500 |") in lines  # the seeds, their mean and half range, the rank, the mean gap
+    assert ("| 500 | 1.02M | DIFFEQ | 0.001 | 8e+15 | 2.2500 / 2.2500 | 2.2500 +- 0.0000 | "
+            "1 of 2 | +0.0500 |") in lines
+    assert "| 1000 | 2.05M | GPT | 0.001 | pending | pending | pending | | |" in lines
+    lr = tables["budget_lr"].splitlines()
+    assert "| GPT | 0.0005: pending | 0.001: pending | 0.002: **2.0000** |" in lr
+
+
+def test_the_committed_budget_section_is_drawn_from_its_json():
+    r = json.load(open(os.path.join(reproduce.RESULTS, "results.json")))
+    if "budget" not in r:
+        pytest.skip("the budget curve has not started")
+    page = open(os.path.join(reproduce.RESULTS, "README.md")).read()
+    assert reproduce.fill_markers(page, reproduce.budget_tables(r["budget"])) == page
+    assert set(r["budget"]["runs"]) <= set(r["budget"]["jobs"])
+    for name, row in r["budget"]["runs"].items():
+        budget = r["budget"]["jobs"][name]["budget"]
+        assert int(option(row["argv"], "max_iters")) == row["budget"] == budget
