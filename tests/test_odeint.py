@@ -1,6 +1,6 @@
-"""model.vector_field_at, the bridge to the Neural-ODE toolchain (METHOD 2.1): the fixed-step solvers
-written on it, and torchdiffeq's (where it is installed), reproduce model.integrate, with Euler's
-weights taken at the end of each step."""
+"""model.vector_field_at, the bridge to the Neural-ODE toolchain (METHOD 2.1): the fixed-step
+solvers written on it, and torchdiffeq's (where it is installed), reproduce model.integrate, with
+Euler's weights taken at the end of each step."""
 import importlib.util
 
 import pytest
@@ -9,8 +9,9 @@ import torch
 from model import rope_tables
 from test_sample import random_model
 
-needs_torchdiffeq = pytest.mark.skipif(importlib.util.find_spec("torchdiffeq") is None,
-                                       reason="needs torchdiffeq: pip install -r requirements-eval.txt")
+needs_torchdiffeq = pytest.mark.skipif(
+    importlib.util.find_spec("torchdiffeq") is None,
+    reason="needs torchdiffeq: pip install -r requirements-eval.txt")
 KINDS = [("diffeq", "gpt"), ("diffeq", "llama"), ("shared", "gpt")]
 STEPS = 3
 
@@ -61,24 +62,25 @@ def test_vector_field_at_is_the_field_at_that_time_not_a_neighbour():
     model = random_model()
     x, _ = state_and_rope(model)
     with torch.no_grad():
-        assert (model.vector_field_at(0.5, x) - model.vector_field_at(0.5 + 1 / STEPS, x)).abs().max() > 1e-3
+        later = model.vector_field_at(0.5 + 1 / STEPS, x)  # one step later
+        assert (model.vector_field_at(0.5, x) - later).abs().max() > 1e-3
     with pytest.raises(ValueError, match="baseline model has layers, not a vector field"):
         random_model("baseline").vector_field_at(0.5, x)
 
 
 @needs_torchdiffeq
 @pytest.mark.parametrize("model_type,flavor", KINDS)
-def test_torchdiffeq_euler_with_f_a_step_later_and_its_midpoint_are_integrate(model_type, flavor):
+def test_torchdiffeq_euler_with_f_a_step_later_and_midpoint_are_integrate(model_type, flavor):
     from torchdiffeq import odeint
     model = random_model(model_type, flavor)
     x, rope = state_and_rope(model)
     grid = torch.linspace(0, 1, STEPS + 1, dtype=torch.float64)  # fixed-grid solvers step on it
     with torch.no_grad():
-        euler = odeint(lambda t, y: model.vector_field_at(t + 1 / STEPS, y), x, grid, method="euler")
-        midpoint = odeint(model.vector_field_at, x, grid, method="midpoint")
-        torch.testing.assert_close(euler[-1], integrated(model, x, rope, "euler"), rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(midpoint[-1], integrated(model, x, rope, "midpoint"), rtol=1e-10,
-                                   atol=1e-10)
+        later = lambda t, y: model.vector_field_at(t + 1 / STEPS, y)  # F a step later: METHOD 2.1
+        euler = odeint(later, x, grid, method="euler")[-1]
+        midpoint = odeint(model.vector_field_at, x, grid, method="midpoint")[-1]
+        expected = integrated(model, x, rope, "euler"), integrated(model, x, rope, "midpoint")
+        torch.testing.assert_close((euler, midpoint), expected, rtol=1e-10, atol=1e-10)
 
 
 @needs_torchdiffeq
@@ -90,7 +92,8 @@ def test_torchdiffeq_rk4_is_the_three_eighths_rule_not_integrates_classical_rk4(
     x, rope = state_and_rope(model)
     F, h = model.vector_field_at, 1.0 / STEPS
     with torch.no_grad():
-        theirs = odeint(F, x, torch.linspace(0, 1, STEPS + 1, dtype=torch.float64), method="rk4")[-1]
+        grid = torch.linspace(0, 1, STEPS + 1, dtype=torch.float64)
+        theirs = odeint(F, x, grid, method="rk4")[-1]
         y = x
         for k in range(STEPS):
             t = k * h
