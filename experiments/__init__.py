@@ -6,5 +6,6 @@ the repository root with `python -m experiments.NAME`:
 * bench_scale  the ODE at scale: the training step, bytes moved by collectives, the memory plan
 * depth        an ODE checkpoint's validation loss against its step count and solver
 * eval         downstream tasks with lm-evaluation-harness (the local ones in experiments/tasks/)
+* harness      lm-eval's own command line with checkpoints as its model "diffeqformer"
 * reproduce    every experiment of results/README.md, at laptop scale
 """
