@@ -104,3 +104,25 @@ def test_torchdiffeq_rk4_is_the_three_eighths_rule_not_integrates_classical_rk4(
             y = y + h / 8 * (k1 + 3 * k2 + 3 * k3 + k4)
         torch.testing.assert_close(theirs, y, rtol=1e-10, atol=1e-10)
         assert (theirs - integrated(model, x, None, "rk4")).abs().max() > 1e-4
+
+
+@needs_torchdiffeq
+def test_depth_adds_dopri5_at_tolerances_and_the_adjoints_gradient(tmp_path, shakespeare, capsys):
+    """experiments/depth.py --tolerances: dopri5 on vector_field_at takes more evaluations at a
+    tighter tolerance and then gives the loss of RK4 at many steps (both the exact flow); --adjoint
+    prints a cosine."""
+    import json
+
+    from experiments import depth
+    from test_train import run
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2")
+    depth.main([f"--init_from={tmp_path / 'out' / 'ckpt.pt'}", "--steps=16", "--solvers=rk4",
+                "--tolerances=1e-2,1e-6", "--adjoint", "--eval_iters=2", "--batch_size=2",
+                f"--out={tmp_path / 'depth'}"])
+    rk4, loose, tight = json.load(open(tmp_path / "depth" / "depth.json"))["results"]
+    assert (loose["solver"], loose["tol"], tight["tol"]) == ("dopri5", 1e-2, 1e-6)
+    assert 6 <= loose["evaluations"] < tight["evaluations"]  # 6 stages a step; tighter: more steps
+    assert tight["val_loss"] == pytest.approx(rk4["val_loss"], abs=1e-4)
+    cosine = float(capsys.readouterr().out.split("one batch): ")[1].split()[0])
+    assert -1 <= cosine <= 1
+
