@@ -17,11 +17,18 @@ import sys
 from configurator import run_main
 from experiments import eval
 
+try:
+    from lm_eval._cli.harness import HarnessCLI
+except ModuleNotFoundError as e:  # imported without lm-eval (tests/test_docs.py skips), or run
+    if __name__ != "__main__" or not (e.name or "").startswith("lm_eval"):
+        raise
+    print("error: experiments.harness needs lm-evaluation-harness: pip install -r "
+          "requirements-eval.txt", file=sys.stderr)
+    sys.exit(2)
+
 
 def main(argv):
-    eval.harness()  # lm-eval installed, else one line saying how to install it
     eval.lm_class()  # "diffeqformer" in lm-eval's model registry
-    from lm_eval._cli.harness import HarnessCLI
     cli = HarnessCLI()
     saved, sys.argv = sys.argv, ["lm_eval", *argv]  # lm-eval's parser reads sys.argv
     try:

@@ -205,3 +205,11 @@ def test_lm_evals_own_command_line_runs_a_checkpoint_by_name(tmp_path, monkeypat
     with pytest.raises(ConfigError, match="batch_size=0 must be at least 1"):
         harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},batch_size=0",
                       "--tasks", "tiny_choice", "--include_path", TASK_DIR])
+
+
+def test_without_lm_eval_the_harness_says_how_to_install_it():
+    code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = ['harness', '--model', 'x']; "
+            "runpy.run_module('experiments.harness', run_name='__main__', alter_sys=True)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr == (
+        "error: experiments.harness needs lm-evaluation-harness: pip install -r requirements-eval.txt\n")
