@@ -536,6 +536,20 @@ class DiffEqFormer(nn.Module):
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
+    def vector_field_at(self, t, x, rope=None, mask=None):
+        """F(t, x) with W(t) generated at any t, as torchdiffeq's odeint calls it; x (B, T, C) is
+        the state, rope Llama's tables (default: positions 0..T-1). Euler takes W at a step's END
+        (METHOD 2.1): torchdiffeq's euler gives integrate's with F(t + h, x); midpoint, rk4: F."""
+        cfg = self.cfg
+        if not cfg.is_ode:
+            raise ValueError(f"a {cfg.model_type} model has layers, not a vector field of t")
+        t = torch.as_tensor(t, dtype=time_dtype(self.wte.weight.dtype), device=x.device).reshape(1)
+        w = self.block.weights() if cfg.model_type == "shared" else unbind_times(self.hyper(t))[0]
+        if rope is None and cfg.flavor == "llama":
+            pos, hs = torch.arange(x.size(1), device=x.device), x.size(2) // cfg.n_head  # (T,), hs
+            rope = rope_tables(pos, hs, x.dtype)
+        return vector_field(x, w, cfg, rope, cfg.dropout if self.training else 0.0, mask)
+
     # -- the ODE as an ordinary transformer (METHOD 5) ---------------------------------------------
     @torch.no_grad()
     def materialize(self, steps=None):

@@ -207,12 +207,21 @@ def shaded_html(tokens, rows, title, path):
 
 def depth(results, trained, png_path):
     """Validation loss of one ODE checkpoint against the solver's step count and against the vector-field
-    evaluations (the compute), one line per solver; results are experiments/depth.py's rows."""
+    evaluations (the compute), one line per solver, dopri5's tolerances as stars (right panel only); results
+    are experiments/depth.py's rows."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for solver in dict.fromkeys(r["solver"] for r in results):
+    for solver in dict.fromkeys(r["solver"] for r in results if r["steps"] is not None):
         rows = [r for r in results if r["solver"] == solver]
         axes[0].plot([r["steps"] for r in rows], [r["val_loss"] for r in rows], "o-", label=solver)
         axes[1].plot([r["evaluations"] for r in rows], [r["val_loss"] for r in rows], "o-", label=solver)
+    adaptive = [r for r in results if r["steps"] is None]  # dopri5 at its tolerances: no step count
+    if adaptive:
+        axes[1].plot([r["evaluations"] for r in adaptive], [r["val_loss"] for r in adaptive], "k*", ms=10,
+                     label="dopri5 (tolerance marked)")
+        for r in adaptive:
+            axes[1].annotate(f"{r['tol']:g}", (r["evaluations"], r["val_loss"]), textcoords="offset points",
+                             xytext=(4, 4), fontsize=8)
+        axes[1].legend()
     for ax, label in zip(axes, ("solver steps N", "vector-field evaluations (compute)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)

@@ -27,6 +27,7 @@ results.md (a table: value +- standard error, one column per checkpoint) and, wi
 The paper's tasks download from Hugging Face (a network is needed once); local tasks are YAML files in
 --include_path (see experiments/tasks/).
 """
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -39,8 +40,12 @@ import plots
 import prepare
 import common
 import sample
-from configurator import UserError, parse_config, run_main
+from configurator import ConfigError, UserError, parse_config, run_main
 from model import time_dtype
+
+
+LM_NAME = "diffeqformer"  # the model's name in lm-eval's registry: lm_class
+MODEL_ARGS = ("init_from", "steps", "solver", "batch_size", "max_gen_toks", "device", "dtype")
 
 
 @dataclass
@@ -85,7 +90,7 @@ def harness():
 
 class CheckpointLM:
     """lm-eval's TemplateLM interface over a model in eval mode and its tokenizer. lm-eval is imported
-    lazily, so the class that lm-eval sees is made at run time with TemplateLM as a base: make_lm."""
+    lazily, so the class that lm-eval sees is made at run time with TemplateLM as a base: lm_class."""
 
     def __init__(self, model, tok, steps=None, solver=None, env=None, batch_size=16, max_gen_toks=256, info=None):
         super().__init__()
@@ -93,6 +98,17 @@ class CheckpointLM:
         self.env = env or common.Env(torch.device("cpu"), torch.float32)
         self.batch_size, self.max_gen_toks, self.info = batch_size, max_gen_toks, info or {}
         self.max_length = model.cfg.block_size
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        """How lm-eval builds a model by name (`--model diffeqformer --model_args init_from=...`,
+        lm-eval's --batch_size and --device): the checkpoint, as load_lm loads it."""
+        cfg = model_args_config(arg_dict, additional_config)
+        return load_lm(cfg.init_from, cfg, common.setup(cfg.device, cfg.dtype, cfg.seed))
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        return cls.create_from_arg_obj(arg_string, additional_config)  # model_args_config parses it
 
     @property
     def eot_token_id(self):
@@ -177,10 +193,33 @@ class CheckpointLM:
         return out
 
 
+@functools.cache
+def lm_class():
+    """CheckpointLM with lm-eval's TemplateLM as a base, registered in lm-eval's model registry as
+    "diffeqformer" on the first call: simple_evaluate(model="diffeqformer", model_args=...) and
+    `python -m experiments.harness --model diffeqformer` build it from a checkpoint."""
+    cls = type("CheckpointLM", (CheckpointLM, harness().api.model.TemplateLM), {})
+    return harness().api.registry.register_model(LM_NAME)(cls)
+
+
 def make_lm(model, tok, **kwargs):
     """A CheckpointLM that lm-eval accepts (an lm_eval.api.model.TemplateLM)."""
-    cls = type("CheckpointLM", (CheckpointLM, harness().api.model.TemplateLM), {})
-    return cls(model, tok, **kwargs)
+    return lm_class()(model, tok, **kwargs)
+
+
+def model_args_config(model_args, defaults=None):
+    """The EvalConfig of lm-eval's --model_args (a dict, or "key=value,..."): the MODEL_ARGS keys;
+    `defaults` (lm-eval's --batch_size, --device) where they are given and model_args does not set
+    them. Unknown keys and bad values are one ConfigError."""
+    from configurator import parse_config  # imported here: tests/test_docs.py stops after it
+    if isinstance(model_args, str):
+        model_args = harness().utils.simple_parse_args_string(model_args)
+    unknown = sorted(set(model_args) - set(MODEL_ARGS))
+    if unknown:
+        raise ConfigError(f"--model_args {unknown[0]}=...: {LM_NAME} takes {', '.join(MODEL_ARGS)}")
+    given = {k: v for k, v in (defaults or {}).items() if k in MODEL_ARGS and v is not None}
+    cfg, _ = parse_config([f"--{k}={v}" for k, v in {**given, **model_args}.items()], EvalConfig)
+    return cfg
 
 
 def load_lm(path, cfg, env):

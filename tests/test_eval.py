@@ -1,6 +1,8 @@
 """experiments/eval.py through lm-eval's own simple_evaluate on the local tasks of tests/eval_task/, checked against the
 model's plain forward pass: every request's log-likelihood and is-greedy flag, the rolling log-likelihood of a
 text over its windows, greedy generations, and the tasks' metrics from those numbers."""
+import functools
+import glob
 import importlib.util
 import json
 import math
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import prepare
-from configurator import UserError
+from configurator import ConfigError, UserError
 
 from conftest import ROOT, tokenizer_or_skip
 from test_sample import random_model, recomputed_logits, save_model
@@ -172,3 +174,42 @@ def test_an_empty_context_is_the_end_of_text_token_or_the_first_byte(tokenizer):
     tokens = tok.encode(text)
     expected = logprob(model, tokens, len(tokens) - 1) if tok.eot is None else logprob(model, [tok.eot] + tokens, len(tokens))
     assert ll == pytest.approx(expected[0], abs=1e-9) and is_greedy == expected[1]
+
+
+@needs_lm_eval
+def test_lm_evals_own_command_line_runs_a_checkpoint_by_name(tmp_path, monkeypatch):
+    """`python -m experiments.harness --model diffeqformer --model_args init_from=...,steps=5`:
+    lm-eval's command line builds the adapter from its registry by name; an ODE at 5 steps scores
+    what the 5-layer model materialised from it scores through eval.py's adapter."""
+    import lm_eval.tasks
+    from experiments import harness
+    # local tasks only: indexing lm-eval's ~15,000 task files would take most of the test's time
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager,
+                                                                        include_defaults=False))
+    ode = random_model(vocab_size=256, block_size=BLOCK)
+    path = save_model(tmp_path / "ode.pt", ode)
+    harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},steps=5,device=cpu",
+                  "--tasks", ",".join(TASKS[:3]), "--include_path", TASK_DIR, "--batch_size", "3",
+                  "--output_path", str(tmp_path / "out")])
+    [written] = glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)
+    by_name = json.load(open(written))
+    assert by_name["config"]["model"] == "diffeqformer"
+    expected = run_tasks(ode.materialize(5), "byte", TASKS[:3])
+    for task in TASKS[:3]:
+        for key, value in expected["results"][task].items():
+            if isinstance(value, float) and "stderr" not in key:
+                assert by_name["results"][task][key] == pytest.approx(value, rel=1e-5), (task, key)
+    with pytest.raises(ConfigError, match=r"--model_args stepz=\.\.\.: diffeqformer takes"):
+        harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},stepz=5",
+                      "--tasks", "tiny_choice", "--include_path", TASK_DIR])
+    with pytest.raises(ConfigError, match="batch_size=0 must be at least 1"):
+        harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},batch_size=0",
+                      "--tasks", "tiny_choice", "--include_path", TASK_DIR])
+
+
+def test_without_lm_eval_the_harness_says_how_to_install_it():
+    code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = ['harness', '--model', 'x']; "
+            "runpy.run_module('experiments.harness', run_name='__main__', alter_sys=True)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr == (
+        "error: experiments.harness needs lm-evaluation-harness: pip install -r requirements-eval.txt\n")
