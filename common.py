@@ -249,7 +249,8 @@ def resolve(path):
         return snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.md"])
     except Exception as e:  # no network, no such repository, a gated one: all the same to a user
         raise UserError(f"{path} is no local file or folder, and the Hugging Face Hub did not give "
-                        f"{hub_id} ({type(e).__name__}): offline? pass a local folder") from None
+                        f"{hub_id} ({type(e).__name__}): offline, or no such repository? Pass a "
+                        f"local folder") from None
 
 
 def load_folder(path):
