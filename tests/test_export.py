@@ -34,9 +34,9 @@ def random_model(**overrides):
     return model.eval()
 
 
-def checkpoint(model, **extra):
+def checkpoint(model, tokenizer="byte"):
     return {"kind": common.MODEL, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
-            "tokenizer": "byte", "iter_num": 7, "best_val_loss": 2.5, **extra}
+            "tokenizer": tokenizer, "iter_num": 7, "best_val_loss": 2.5}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,11 @@ def checkpoints(tmp_path_factory):
     paths = {}
     for kind, overrides in dict(diffeq={}, shared=dict(model_type="shared"),
                                 gpt=dict(model_type="baseline"),
-                                llama=dict(model_type="baseline", flavor="llama")).items():
+                                llama=dict(model_type="baseline", flavor="llama", ffn_dim=48)
+                                ).items():
         paths[kind] = str(root / f"{kind}.pt")
-        common.save(checkpoint(random_model(**overrides)), paths[kind])
+        tokenizer = "gpt2" if kind == "shared" else "byte"  # the folder must keep either
+        common.save(checkpoint(random_model(**overrides), tokenizer), paths[kind])
     materialized = random_model().materialize(steps=4)
     paths["materialized"] = str(root / "materialized.pt")
     common.save(checkpoint(materialized), paths["materialized"])
@@ -84,9 +86,10 @@ def test_export_then_from_pretrained_gives_the_same_model(kind, checkpoints, tmp
     export.export(checkpoints[kind], str(tmp_path / "folder"))
     assert sorted(os.listdir(tmp_path / "folder")) == ["README.md", "config.json",
                                                        "model.safetensors"]
-    original, _ = common.load_model(checkpoints[kind])
+    original, tokenizer = common.load_model(checkpoints[kind])
     loaded = DiffEqFormer.from_pretrained(str(tmp_path / "folder"))
     assert loaded.cfg == original.cfg
+    assert common.load_model(str(tmp_path / "folder"))[1] == tokenizer
     same_outputs(original, loaded)
 
 
@@ -171,7 +174,7 @@ def tiny_gpt2(path, vocab=50257):
     """A GPT2LMHeadModel with random weights, saved as from_pretrained reads OpenAI's."""
     torch.manual_seed(0)
     cfg = transformers().GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2,
-                                  n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+                                  n_head=2, n_inner=48, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
     hf = transformers().GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # norms and biases away from 1 and 0
         for p in hf.parameters():
@@ -190,6 +193,10 @@ def test_gpt2_weights_give_transformers_logits_and_padded_rows_no_probability(tm
         logits = model(idx)[0]
         torch.testing.assert_close(logits[..., :100], hf(idx).logits, rtol=1e-5, atol=1e-5)
     assert torch.softmax(logits, -1)[..., 100:].max() == 0  # the padded rows never win
+    export.export(str(tmp_path), str(tmp_path / "back"), "hf")  # and out again: 100 rows
+    back = transformers().GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(idx).logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_train_and_finetune_start_from_gpt2(tmp_path, capsys):
