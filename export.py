@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import common
+import prepare
 from configurator import UserError, parse_config, run_main
 from model import EPS, DiffEqFormer, ModelConfig
 
@@ -185,6 +186,35 @@ def from_transformers(path, config):
             "source": f"transformers {type(hf).__name__} from {path}"}
 
 
+def transformers_tokenizer(name, max_length):
+    """The tokenizer as transformers' own (tokenizer.json), so that AutoTokenizer, lm-eval's hf
+    model and the rest read the folder alone: bytes as a byte-level BPE without merges (token b is
+    byte b), or a tiktoken encoding (GPT-2's BPE) converted by transformers, offline."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
+    if name == "byte":
+        char = bytes_to_unicode()  # byte b -> the printable character byte-level BPE writes for it
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE({char[b]: b for b in range(256)}, []))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                use_regex=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length)
+    import base64
+    import tempfile
+    encoding = prepare.get_tokenizer(name).enc
+    with tempfile.TemporaryDirectory() as tmp:  # the ranks in tiktoken's own file format
+        ranks = os.path.join(tmp, f"{name}.tiktoken")
+        with open(ranks, "w") as f:
+            f.writelines(f"{base64.b64encode(token).decode()} {rank}\n"
+                         for token, rank in encoding._mergeable_ranks.items())
+        tok = TikTokenConverter(vocab_file=ranks, pattern=encoding._pat_str,
+                                extra_special_tokens=encoding._special_tokens).converted()
+    end = "<|endoftext|>"  # GPT-2's: begins and ends a text
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length,
+                                   bos_token=end, eos_token=end)
+
+
 # -- writing the folder ---------------------------------------------------------------------------
 
 def history(path):
@@ -264,6 +294,7 @@ def export(path, out, fmt="diffeqformer"):
     common.make_dir(out, "out")
     if fmt == "hf":
         to_transformers(model, tokenizer).save_pretrained(out)
+        transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
     else:
         save_folder(model, tokenizer, out, facts)
     with open(os.path.join(out, "README.md"), "w") as f:

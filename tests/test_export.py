@@ -17,7 +17,7 @@ import prepare
 import sample
 import train
 from configurator import UserError, run_main
-from conftest import TINY
+from conftest import TINY, tokenizer_or_skip
 from model import DiffEqFormer, ModelConfig
 
 KINDS = ("diffeq", "shared", "gpt", "llama", "materialized", "merged", "adapters")
@@ -150,6 +150,16 @@ def test_hf_format_is_transformers_own_class_with_the_same_logits(flavor, checkp
         torch.testing.assert_close(hf(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
         greedy = hf.generate(idx[:, :8], max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(greedy, sample.generate(ours, idx[:, :8], 8, temperature=0))
+    same_tokens(str(tmp_path), "byte")
+
+
+def same_tokens(folder, name):
+    """The folder's own tokenizer (AutoTokenizer) reads text as prepare.py's does."""
+    text = "ROMEO:\nBut, soft! what light through yonder window breaks?  Déjà vu, 1597"
+    tokenizer = transformers().AutoTokenizer.from_pretrained(folder)
+    ours = prepare.get_tokenizer(name)
+    assert tokenizer(text)["input_ids"] == ours.encode(text)
+    assert tokenizer.decode(ours.encode(text)) == text
 
 
 @pytest.mark.parametrize("flavor", ["gpt", "llama"])
@@ -197,6 +207,8 @@ def test_gpt2_weights_give_transformers_logits_and_padded_rows_no_probability(tm
     back = transformers().GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(idx).logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
+    tokenizer_or_skip("gpt2")
+    same_tokens(str(tmp_path / "back"), "gpt2")  # GPT-2's BPE, converted from tiktoken's
 
 
 def test_train_and_finetune_start_from_gpt2(tmp_path, capsys):
