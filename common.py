@@ -245,8 +245,9 @@ def resolve(path):
     if os.path.exists(path) or hub_id is None or path.endswith(".pt"):
         return path
     from huggingface_hub import snapshot_download
-    try:  # weights, configs, tokenizer files and the card; not the TF, Flax or ONNX copies
-        return snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.md"])
+    wanted = ["*.json", "*.safetensors", "*.txt", "*.md"]  # not the TF, Flax or ONNX copies
+    try:
+        return snapshot_download(hub_id, allow_patterns=wanted)
     except Exception as e:  # no network, no such repository, a gated one: all the same to a user
         raise UserError(f"{path} is no local file or folder, and the Hugging Face Hub did not give "
                         f"{hub_id} ({type(e).__name__}): offline, or no such repository? Pass a "

@@ -26,7 +26,7 @@ import torch
 import common
 import prepare
 from configurator import UserError, parse_config, run_main
-from model import EPS, DiffEqFormer, ModelConfig
+from model import EPS, ModelConfig
 
 FORMATS = ("diffeqformer", "hf")
 
