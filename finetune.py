@@ -118,6 +118,8 @@ def main(argv):
         print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
+    # a Hub name (gpt2, owner/name) downloaded, or offline refused, before out_dir is claimed
+    source = None if cfg.init_from == "resume" else common.resolve(cfg.init_from)
     lock = None
     try:
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
@@ -129,7 +131,7 @@ def main(argv):
                                 f"resume it with train.py")
             fcfg = FinetuneConfig(**run["finetune_config"])
             lora.check_base(run["base_checkpoint"], run["base_sha256"])
-        base_path = run["base_checkpoint"] if run else common.resolve(cfg.init_from)  # Hub: cached
+        base_path = run["base_checkpoint"] if run else source
         overrides = {k: getattr(mcfg, k) for k in RUNTIME_KEYS if k in given}
         model, base_ckpt = load_base(base_path, fcfg.steps, env.device, **overrides)
         base_sha256 = run["base_sha256"] if run else common.on_master(
