@@ -247,8 +247,10 @@ def model_card(model, tokenizer, facts, source, fmt):
                f"{train['dataset']} (AdamW, learning rate {train['learning_rate']:g})"
                if train else facts.get("source", "Not recorded in the checkpoint"))
     if facts.get("kind") == common.ADAPTERS:
-        trained = (f"LoRA (rank {facts['rank']}) fine-tuning of {facts['base_checkpoint']} at "
-                   f"{facts['steps']} steps, merged into its weights")
+        run = facts.get("results", {})
+        trained = (f"LoRA (rank {facts['rank']}) fine-tuning of {facts['base_checkpoint']} as a "
+                   f"{facts['steps']}-layer transformer ({run.get('iters', '?')} iterations on "
+                   f"{run.get('dataset', '?')}), merged into its weights")
     elif "finetune_config" in facts:
         trained = f"fine-tuned from {facts.get('base_checkpoint')}: {trained}"
     if "merged_from" in facts:
