@@ -121,7 +121,11 @@ def transformers_config(cfg, tokenizer):
 
 def to_transformers(model, tokenizer):
     """Our GPT or Llama baseline as transformers' GPT2LMHeadModel or LlamaForCausalLM."""
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("--format=hf needs transformers: pip install -r requirements-eval.txt") \
+            from None
     transformers.logging.disable_progress_bar()
     cfg = model.cfg
     if cfg.model_type != "baseline":
@@ -147,8 +151,8 @@ def from_transformers(path, config):
     try:
         import transformers
     except ImportError:
-        raise UserError(f"{path} is a transformers model folder: pip install transformers "
-                        f"(requirements-eval.txt)") from None
+        raise UserError(f"{path} is a transformers model folder: pip install -r "
+                        f"requirements-eval.txt (transformers)") from None
     flavor = {"gpt2": "gpt", "llama": "llama"}.get(config.get("model_type"))
     if flavor is None:
         raise UserError(f"{path} holds a {config.get('model_type', 'unknown')} model; this project "

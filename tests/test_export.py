@@ -261,3 +261,13 @@ def test_push_to_hub_offline_is_one_line(checkpoints, capsys, monkeypatch, tmp_p
     err = one_line(export.main, [f"--init_from={checkpoints['gpt']}", f"--out={tmp_path}",
                                  "--push_to_hub=someone/model"], capsys, monkeypatch)
     assert "could not push" in err
+
+
+def test_without_transformers_hf_is_one_line(checkpoints, tmp_path, monkeypatch):
+    """transformers is an optional extra: without it, --format=hf and a GPT-2 folder say so."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(UserError, match="needs transformers"):
+        export.export(checkpoints["gpt"], str(tmp_path), "hf")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(UserError, match="transformers model folder"):
+        common.load(str(tmp_path))
