@@ -233,12 +233,58 @@ def save(obj, path):
                         f"intact (a run resumes from it with --init_from=resume)") from None
 
 
+GPT2_HUB_IDS = {name: f"openai-community/{name}" for name in
+                ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}  # OpenAI's weights on the Hub
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
+
+
+def resolve(path):
+    """A local file or folder for `path`: itself, or the Hub's files of a GPT-2 name or an
+    owner/name id, downloaded once into the Hugging Face cache (offline: one UserError)."""
+    hub_id = GPT2_HUB_IDS.get(path) or (path if HUB_ID.fullmatch(path) else None)
+    if os.path.exists(path) or hub_id is None or path.endswith(".pt"):
+        return path
+    from huggingface_hub import snapshot_download
+    wanted = ["*.json", "*.safetensors", "*.txt", "*.md"]  # not the TF, Flax or ONNX copies
+    try:
+        return snapshot_download(hub_id, allow_patterns=wanted)
+    except Exception as e:  # no network, no such repository, a gated one: all the same to a user
+        raise UserError(f"{path} is no local file or folder, and the Hugging Face Hub did not give "
+                        f"{hub_id} ({type(e).__name__}): offline, or no such repository? Pass a "
+                        f"local folder") from None
+
+
+def load_folder(path):
+    """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors), or of
+    a transformers GPT2LMHeadModel or LlamaForCausalLM folder (export.py maps its weights)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    if config.get("format") != "diffeqformer":
+        import export  # transformers' classes: an optional extra, imported only here
+        return export.from_transformers(path, config)
+    from safetensors.torch import load_file
+    try:
+        weights = load_file(os.path.join(path, "model.safetensors"))
+    except Exception as e:  # missing, truncated, not safetensors
+        raise UserError(f"{path}/model.safetensors is missing or unreadable "
+                        f"({type(e).__name__}); export the folder again") from None
+    return {"kind": MODEL, "model_config": config["model_config"], "model": weights,
+            "tokenizer": config["tokenizer"], "optimizer": None, "iter_num": 0,
+            "best_val_loss": config.get("val_loss")}
+
+
 def load(path, kind=MODEL, map_location="cpu"):
     """The checkpoint dict in `path`, loaded with weights_only=True (no code runs). A missing, empty
-    or unreadable file, or one of another kind (`kind` may be a tuple of kinds), is one UserError."""
+    or unreadable file, or one of another kind (`kind` may be a tuple of kinds), is one UserError.
+    `path` may also be an exported folder, a transformers GPT-2 or Llama folder, or a Hub id."""
+    path, kinds = resolve(path), kind if isinstance(kind, tuple) else (kind,)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "LATEST")):
         raise UserError(f"{path} is a sharded checkpoint folder: convert it with "
                         f"`python train.py --convert={path}`")
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        if MODEL not in kinds:
+            raise UserError(f"{path} holds a model, not a {' or '.join(kinds)} checkpoint")
+        return load_folder(path)
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist (train one with `python train.py`, or pass "
                         f"--init_from=PATH)")
@@ -252,7 +298,6 @@ def load(path, kind=MODEL, map_location="cpu"):
     except Exception as e:  # a file of any other format fails in any of a dozen ways in the unpickler
         raise UserError(f"{path} is not a PyTorch checkpoint this project can read "
                         f"({type(e).__name__}); is it the right file?") from e
-    kinds = kind if isinstance(kind, tuple) else (kind,)
     found = ckpt.get("kind") if isinstance(ckpt, dict) else None
     if found not in kinds:
         raise UserError(f"{path} holds a {found or 'foreign object'} checkpoint, not a "
@@ -300,11 +345,17 @@ def load_model(path):
 
 
 def file_hash(path):
-    """sha256 of a file's bytes: what an adapters file records of its base checkpoint."""
+    """sha256 of a file's bytes, or of a folder's files' names and bytes: what an adapters file
+    records of its base checkpoint."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    for name in files:
+        if name != path:  # a folder's file: its name too (a file alone: its bytes, as ever)
+            digest.update(os.path.relpath(name, path).encode())
+        with open(name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
     return digest.hexdigest()
 
 

@@ -6,6 +6,7 @@ fully or with LoRA, on new data.
     python finetune.py --steps 9 --lora              # out/ckpt.pt (the default) on WikiText-2
     python finetune.py config/finetune_owt_to_wt103.py --init_from=out-pretrain18/ckpt.pt --steps 12
     python finetune.py --merge=out-finetune/adapters.pt  # adapters + base -> an ordinary checkpoint
+    python finetune.py --init_from=gpt2 --lora          # OpenAI's GPT-2 with LoRA, on WikiText-2
 
 The default target is WikiText-2, a different corpus from the default pretraining text (tiny
 Shakespeare), as the paper fine-tunes on a different corpus than it pretrained on. The training loop
@@ -117,6 +118,8 @@ def main(argv):
         print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
+    # a Hub name (gpt2, owner/name) downloaded, or offline refused, before out_dir is claimed
+    source = None if cfg.init_from == "resume" else common.resolve(cfg.init_from)
     lock = None
     try:
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
@@ -128,7 +131,7 @@ def main(argv):
                                 f"resume it with train.py")
             fcfg = FinetuneConfig(**run["finetune_config"])
             lora.check_base(run["base_checkpoint"], run["base_sha256"])
-        base_path = run["base_checkpoint"] if run else cfg.init_from
+        base_path = run["base_checkpoint"] if run else source
         overrides = {k: getattr(mcfg, k) for k in RUNTIME_KEYS if k in given}
         model, base_ckpt = load_base(base_path, fcfg.steps, env.device, **overrides)
         base_sha256 = run["base_sha256"] if run else common.on_master(

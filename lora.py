@@ -103,7 +103,7 @@ def at_depth(model, steps, path):
 
 def check_base(path, sha256):
     """Refuse a base checkpoint that is not the file the adapters (or a run) were trained on."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a checkpoint file, or a folder (exported, or from the Hub)
         raise UserError(f"the base checkpoint {path} does not exist: the adapters were trained on "
                         f"it; if it moved, name it with --merge_base=PATH")
     if common.file_hash(path) != sha256:

@@ -42,6 +42,7 @@ class ModelConfig:
     model_type: str = "diffeq"  # one of MODEL_TYPES (table above)
     flavor: str = "gpt"  # "gpt" or "llama"
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64
+    tokenizer_vocab: int = 0  # the tokenizer's own vocabulary; logits past it are -inf (0: none)
     block_size: int = 1024  # longest sequence
     n_layer: int = 12  # solver steps of the ODE models (default of each call), layers of the others
     n_head: int = 12
@@ -70,6 +71,8 @@ class ModelConfig:
             (not divides or self.flavor == "gpt" or hs % 2 == 0,
              f"RoPE needs an even head size, got {hs}"),
             (self.n_layer <= MAX_STEPS, f"n_layer={self.n_layer} is more than {MAX_STEPS} steps"),
+            (self.tokenizer_vocab <= self.vocab_size,
+             f"tokenizer_vocab={self.tokenizer_vocab} is more than vocab_size={self.vocab_size}"),
             (self.time_scale > 0, f"time_scale={self.time_scale} must be positive"),
             (0.0 <= self.dropout < 1.0, f"dropout={self.dropout} must be in [0, 1)")) if not ok]
         if problems:
@@ -426,6 +429,12 @@ class DiffEqFormer(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied GPT head counted once
 
+    @classmethod
+    def from_pretrained(cls, path):
+        """The model of an exported folder (export.py), a Hub id or any checkpoint file."""
+        import common  # common imports this file
+        return common.load_model(path)[0]
+
     # -- the forward pass --------------------------------------------------------------------------
     def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None,
                 input_pos=None, mask=None, caches=None, last_only=False):
@@ -461,6 +470,8 @@ class DiffEqFormer(nn.Module):
             x = x[:, -1:]
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.ln_f(x), head)  # (B, T, vocab)
+        if cfg.tokenizer_vocab:  # padded rows past the tokenizer's tokens never get probability
+            logits[..., cfg.tokenizer_vocab:] = float("-inf")
         loss = None
         if targets is not None:
             logits_ = logits.to(time_dtype(logits.dtype)).view(-1, logits.size(-1))

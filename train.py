@@ -6,6 +6,7 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     torchrun --nproc_per_node=8 train.py config/llama1b.py  # FSDP2: the config sets parallel="fsdp"
     python train.py config/llama1b.py --dry_run --gpus=8    # the memory plan, without a GPU
     python train.py --convert=out-llama1b/ckpt_sharded      # -> out-llama1b/ckpt.pt
+    python train.py --init_from=gpt2 --out_dir=out-gpt2     # OpenAI's GPT-2, through transformers
 
 nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main):
 gradient accumulation, bf16 autocast on CUDA (fp16 with loss scaling where a GPU lacks bf16),
@@ -45,7 +46,8 @@ EVAL_ITERATION = 2 ** 31  # every evaluation reads the batches of this (never tr
 class TrainConfig:
     # output and resuming
     out_dir: str = "out"
-    init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint to start from
+    init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
+    # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights) or a Hub id to start from
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
@@ -322,9 +324,10 @@ def setup_run(model, cfg, env, ckpt=None):
     return model, optimizer, 0, float("inf")
 
 
-def model_config_for(mcfg, cfg, env, given, data):
-    """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape,
-    or the given one with the data's vocabulary padded to a multiple of 64 (50257 -> 50304)."""
+def model_config_for(mcfg, cfg, env, given, data, start=None):
+    """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape
+    (out_dir's to resume, or `start`), or the given one with the data's vocabulary padded to a
+    multiple of 64 (50257 -> 50304)."""
     vocab = prepare.load_meta(data)["vocab_size"]
     if cfg.init_from == "scratch":
         if "vocab_size" not in given:
@@ -333,7 +336,7 @@ def model_config_for(mcfg, cfg, env, given, data):
             raise UserError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab}")
         return mcfg, None
     resume = cfg.init_from == "resume"
-    ckpt = checkpoint.load_run(cfg, env) if resume else common.load(cfg.init_from)
+    ckpt = checkpoint.load_run(cfg, env) if resume else start
     changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}
     saved = ModelConfig(**{**ckpt["model_config"], **changes})  # a run may change only these
     if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
@@ -361,10 +364,15 @@ def main(argv):
     try:
         if cfg.init_from == "scratch":  # fail fast: refuse the plan before any download
             memory.check(mcfg, cfg, env)
+        # the weights to start from: a checkpoint, a folder, GPT-2 (gpt2 ... gpt2-xl) or a Hub id
+        start = None if cfg.init_from in ("scratch", "resume") else common.load(cfg.init_from)
+        flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
+        if start and "tokenizer" not in flags:  # its tokens, unless the command line says others
+            cfg = dataclasses.replace(cfg, tokenizer=start.get("tokenizer", cfg.tokenizer))
         prepare.get_tokenizer(cfg.tokenizer)  # offline and not cached: one line, before the data
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         data = common.prepare_data(cfg, env)
-        mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data)
+        mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data, start)
         check_launch(cfg, mcfg)  # again: the model type may come from a checkpoint
         memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later

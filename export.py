@@ -1,0 +1,335 @@
+"""
+Export any checkpoint as a Hugging Face style folder of safetensors weights, and read transformers'
+GPT-2 and Llama folders back in.
+
+    python export.py --init_from=out/ckpt.pt --out=out-export            # config.json, safetensors
+    python export.py --init_from=out-gpt/ckpt.pt --out=out-hf --format=hf  # GPT2LMHeadModel
+    python export.py --init_from=out/ckpt.pt --out=out-export --push_to_hub=me/diffeqformer
+
+The default format, "diffeqformer", holds any model this project makes (DiffEqFormer, weight
+sharing, GPT, Llama, materialised, merged; LoRA adapters are merged into their base): config.json
+(the model config and the tokenizer's name), model.safetensors and a model card, README.md.
+`DiffEqFormer.from_pretrained(DIR)` and every script's `--init_from=DIR` load it.
+
+`--format=hf` writes a GPT baseline as transformers' `GPT2LMHeadModel` and a Llama baseline as its
+`LlamaForCausalLM`, with the same logits, so that `lm_eval --model hf` and the rest of that
+ecosystem run it. The names map one to one (TRANSFORMERS_NAMES); GPT-2 keeps its linear weights
+transposed (its Conv1D is x @ W, nn.Linear is x @ W^T) and Llama splits our fused q, k, v. The same
+map read backwards starts a model from OpenAI's GPT-2 (`python train.py --init_from=gpt2`).
+"""
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+import common
+import prepare
+from configurator import UserError, parse_config, run_main
+from model import EPS, ModelConfig
+
+FORMATS = ("diffeqformer", "hf")
+
+
+@dataclass
+class ExportConfig:
+    init_from: str = "out/ckpt.pt"  # any checkpoint, LoRA adapters, an exported folder or Hub id
+    out: str = "out-export"  # the folder to write
+    format: str = "diffeqformer"  # "diffeqformer" (any model) or "hf" (GPT / Llama baselines)
+    push_to_hub: str = ""  # a Hub repository id (owner/name) to upload the folder to
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r}: use {' or '.join(FORMATS)}")
+
+
+# -- the name map: ours <-> transformers' --------------------------------------------------------
+# per layer: our linear or norm -> its name in transformers (Llama's attn: q_proj, k_proj, v_proj)
+TRANSFORMERS_NAMES = {
+    "gpt": dict(ln_1="ln_1", ln_2="ln_2", attn="attn.c_attn", proj="attn.c_proj", fc="mlp.c_fc",
+                fc2="mlp.c_proj"),
+    "llama": dict(ln_1="input_layernorm", ln_2="post_attention_layernorm", proj="self_attn.o_proj",
+                  gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj"),
+}
+OUTSIDE_LAYERS = {  # our name -> transformers' for the weights outside the layers
+    "gpt": {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
+            "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias"},
+    "llama": {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"},
+}
+LAYERS = {"gpt": "transformer.h", "llama": "model.layers"}
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
+def to_transformers_state(state, cfg):
+    """Our baseline's state dict -> transformers' (GPT2LMHeadModel or LlamaForCausalLM)."""
+    out = {theirs: state[ours] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()}
+    gpt = cfg.flavor == "gpt"
+    for k in range(cfg.n_layer):
+        ours, theirs = f"layers.{k}", f"{LAYERS[cfg.flavor]}.{k}"
+        for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
+            for kind in ("weight", "bias"):
+                w = state.get(f"{ours}.{name}.{kind}")
+                linear = kind == "weight" and not name.startswith("ln")
+                if w is not None:  # GPT-2's Conv1D holds W^T: (in, out)
+                    out[f"{theirs}.{their_name}.{kind}"] = w.t() if gpt and linear else w
+        if not gpt:  # our fused attn (3C, C) = [W_q; W_k; W_v]
+            for their_name, w in zip(QKV, state[f"{ours}.attn.weight"].chunk(3)):
+                out[f"{theirs}.{their_name}.weight"] = w
+    return {name: w.contiguous() for name, w in out.items()}
+
+
+def from_transformers_state(state, cfg):
+    """transformers' state dict -> our baseline's: the map of to_transformers_state backwards."""
+    gpt = cfg.flavor == "gpt"
+    out = {ours: state[theirs] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()
+           if theirs in state}
+    for k in range(cfg.n_layer):
+        ours, theirs = f"layers.{k}", f"{LAYERS[cfg.flavor]}.{k}"
+        for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
+            for kind in ("weight", "bias"):
+                w = state.get(f"{theirs}.{their_name}.{kind}")
+                linear = kind == "weight" and not name.startswith("ln")
+                if w is not None:
+                    out[f"{ours}.{name}.{kind}"] = w.t() if gpt and linear else w
+        if not gpt:
+            out[f"{ours}.attn.weight"] = torch.cat([state[f"{theirs}.{n}.weight"] for n in QKV])
+    return {name: w.contiguous() for name, w in out.items()}
+
+
+def transformers_config(cfg, tokenizer):
+    """transformers' config of our GPT or Llama baseline, with the tokenizer's name beside it."""
+    import transformers
+    vocab = cfg.tokenizer_vocab or cfg.vocab_size  # the padded rows, which never win, left out
+    common_keys = dict(vocab_size=vocab, bos_token_id=None, eos_token_id=None,
+                       diffeqformer_tokenizer=tokenizer)
+    if tokenizer == "gpt2":  # GPT-2's <|endoftext|> begins and ends a text
+        common_keys.update(bos_token_id=50256, eos_token_id=50256)
+    if cfg.flavor == "gpt":
+        return transformers.GPT2Config(
+            n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+            n_inner=cfg.ffn_dim, activation_function="gelu_new", layer_norm_epsilon=EPS,
+            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+            tie_word_embeddings=True, **common_keys)
+    return transformers.LlamaConfig(
+        hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head, rms_norm_eps=EPS,
+        max_position_embeddings=cfg.block_size, attention_dropout=cfg.dropout,
+        rope_parameters=dict(rope_theta=10000.0, rope_type="default"), tie_word_embeddings=False,
+        **common_keys)
+
+
+def to_transformers(model, tokenizer):
+    """Our GPT or Llama baseline as transformers' GPT2LMHeadModel or LlamaForCausalLM."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("--format=hf needs transformers: pip install -r requirements-eval.txt") \
+            from None
+    transformers.logging.disable_progress_bar()
+    cfg = model.cfg
+    if cfg.model_type != "baseline":
+        raise UserError(f"--format=hf writes the GPT and Llama baselines; a {cfg.model_type} model "
+                        f"has no transformers class: export it with --format=diffeqformer")
+    state = model.state_dict()
+    if cfg.tokenizer_vocab:  # the rows of real tokens only
+        vocab_weights = ["wte.weight"] + ["lm_head.weight"] * (cfg.flavor == "llama")
+        state.update({k: state[k][:cfg.tokenizer_vocab] for k in vocab_weights})
+    hf_cfg = transformers_config(cfg, tokenizer)
+    cls = transformers.GPT2LMHeadModel if cfg.flavor == "gpt" else transformers.LlamaForCausalLM
+    hf = cls(hf_cfg)
+    missing, unexpected = hf.load_state_dict(to_transformers_state(state, cfg), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # GPT-2's head: tied to wte
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf.eval()
+
+
+def from_transformers(path, config):
+    """The checkpoint dict of a transformers GPT2LMHeadModel or LlamaForCausalLM folder: loaded by
+    transformers' from_pretrained, then renamed; the vocabulary padded to a multiple of 64 with rows
+    that never get probability (tokenizer_vocab)."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"{path} is a transformers model folder: pip install -r "
+                        f"requirements-eval.txt (transformers)") from None
+    flavor = {"gpt2": "gpt", "llama": "llama"}.get(config.get("model_type"))
+    if flavor is None:
+        raise UserError(f"{path} holds a {config.get('model_type', 'unknown')} model; this project "
+                        f"reads its own exports, GPT-2 and Llama")
+    tokenizer = config.get("diffeqformer_tokenizer", "gpt2" if flavor == "gpt" else None)
+    heads = config.get("num_attention_heads")
+    problems = [message for bad, message in (
+        (tokenizer is None, "a tokenizer this project has (diffeqformer_tokenizer: byte or gpt2)"),
+        (config.get("layer_norm_epsilon", config.get("rms_norm_eps")) != EPS, f"norm eps {EPS}"),
+        (config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"),
+         "tanh-GELU"),
+        (config.get("num_key_value_heads", heads) != heads, "as many key-value heads as heads"),
+        ((config.get("rope_parameters") or {}).get("rope_theta", 10000.0) != 10000.0,
+         "RoPE base 10000"),
+        (config.get("attention_bias") or config.get("mlp_bias"), "no biases")) if bad]
+    if problems:
+        raise UserError(f"{path}: this project's {flavor} model needs {problems[0]}")
+    transformers.logging.disable_progress_bar()
+    cls = transformers.GPT2LMHeadModel if flavor == "gpt" else transformers.LlamaForCausalLM
+    hf = cls.from_pretrained(path, dtype=torch.float32)
+    c = hf.config
+    vocab = c.vocab_size
+    cfg = ModelConfig(
+        model_type="baseline", flavor=flavor, vocab_size=vocab + (-vocab) % 64,
+        tokenizer_vocab=vocab if vocab % 64 else 0, block_size=c.max_position_embeddings,
+        n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size,
+        ffn_dim=(c.n_inner or 4 * c.n_embd) if flavor == "gpt" else c.intermediate_size)
+    state = from_transformers_state(hf.state_dict(), cfg)
+    for name in ("wte.weight", "lm_head.weight"):  # zero rows past the tokenizer's vocabulary
+        if name in state:
+            state[name] = torch.cat([state[name], state[name].new_zeros(cfg.vocab_size - vocab,
+                                                                        cfg.n_embd)])
+    return {"kind": common.MODEL, "model_config": cfg.to_dict(), "model": state,
+            "tokenizer": tokenizer, "optimizer": None, "iter_num": 0, "best_val_loss": None,
+            "source": f"transformers {type(hf).__name__} from {path}"}
+
+
+def transformers_tokenizer(name, max_length):
+    """The tokenizer as transformers' own (tokenizer.json), so that AutoTokenizer, lm-eval's hf
+    model and the rest read the folder alone: bytes as a byte-level BPE without merges (token b is
+    byte b), or a tiktoken encoding (GPT-2's BPE) converted by transformers, offline."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
+    if name == "byte":
+        char = bytes_to_unicode()  # byte b -> the printable character byte-level BPE writes for it
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE({char[b]: b for b in range(256)}, []))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                use_regex=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length)
+    import base64
+    import tempfile
+    encoding = prepare.get_tokenizer(name).enc
+    with tempfile.TemporaryDirectory() as tmp:  # the ranks in tiktoken's own file format
+        ranks = os.path.join(tmp, f"{name}.tiktoken")
+        with open(ranks, "w") as f:
+            f.writelines(f"{base64.b64encode(token).decode()} {rank}\n"
+                         for token, rank in encoding._mergeable_ranks.items())
+        tok = TikTokenConverter(vocab_file=ranks, pattern=encoding._pat_str,
+                                extra_special_tokens=encoding._special_tokens).converted()
+    end = "<|endoftext|>"  # GPT-2's: begins and ends a text
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length,
+                                   bos_token=end, eos_token=end)
+
+
+# -- writing the folder ---------------------------------------------------------------------------
+
+def history(path):
+    """What a checkpoint records of its training, for the model card: the checkpoint's own entries
+    without the weights, and a fine-tuning run's results.json where there is one beside it."""
+    ckpt = common.load(path, kind=(common.MODEL, common.ADAPTERS))
+    facts = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "adapters")}
+    results = os.path.join(os.path.dirname(os.path.abspath(path)), "results.json")
+    if os.path.isfile(results) and os.path.isfile(path):
+        with open(results) as f:
+            facts["results"] = json.load(f)
+    return facts
+
+
+def validation_loss(facts):
+    """The validation loss a checkpoint records: a fine-tuning's last, else the best of its run."""
+    if "results" in facts and facts.get("kind") == common.ADAPTERS:
+        return facts["results"]["after"]["val_loss"]
+    loss = facts.get("best_val_loss")
+    return None if loss is None or loss == float("inf") else loss
+
+
+def model_card(model, tokenizer, facts, source, fmt):
+    """README.md of the folder: what the model is, how it was trained, how to load it, its loss."""
+    cfg, loss = model.cfg, validation_loss(facts)
+    depth = f"{cfg.n_layer} {cfg.solver} steps" if cfg.is_ode else f"{cfg.n_layer} layers"
+    train = facts.get("train_config") or {}
+    trained = (f"{facts.get('iter_num', '?')} iterations of {train['batch_size']} x "
+               f"{train['gradient_accumulation_steps']} sequences of {cfg.block_size} tokens on "
+               f"{train['dataset']} (AdamW, learning rate {train['learning_rate']:g})"
+               if train else facts.get("source", "Not recorded in the checkpoint"))
+    if facts.get("kind") == common.ADAPTERS:
+        run = facts.get("results", {})
+        trained = (f"LoRA (rank {facts['rank']}) fine-tuning of {facts['base_checkpoint']} as a "
+                   f"{facts['steps']}-layer transformer ({run.get('iters', '?')} iterations on "
+                   f"{run.get('dataset', '?')}), merged into its weights")
+    elif "finetune_config" in facts:
+        trained = f"fine-tuned from {facts.get('base_checkpoint')}: {trained}"
+    if "merged_from" in facts:
+        trained = f"LoRA adapters {facts['merged_from']} merged into their base"
+    if fmt == "hf":
+        cls = "GPT2LMHeadModel" if cfg.flavor == "gpt" else "LlamaForCausalLM"
+        load = (f"from transformers import {cls}\nmodel = {cls}.from_pretrained(DIR)  "
+                f"# or: lm_eval --model hf --model_args pretrained=DIR")
+    else:
+        load = "from model import DiffEqFormer  # DiffEqFormer's model.py\n" \
+               "model = DiffEqFormer.from_pretrained(DIR)  # or: python sample.py --init_from=DIR"
+    return "\n".join([
+        "---", "library_name: " + ("transformers" if fmt == "hf" else "pytorch"),
+        "tags: [diffeqformer, neural-ode, transformer]", "---", "",
+        f"# {cfg.model_type} ({cfg.flavor}) model of DiffEqFormer", "",
+        f"A {cfg.model_type} model in the {cfg.flavor} flavour from DiffEqFormer, a reference "
+        f"implementation of *Neural ODE Transformers* (Tong et al., ICLR 2025): "
+        f"{model.num_params() / 1e6:,.2f}M parameters, {depth}, width {cfg.n_embd}, "
+        f"{cfg.n_head} heads, context {cfg.block_size}, the {tokenizer} tokenizer "
+        f"(vocabulary {cfg.tokenizer_vocab or cfg.vocab_size}).", "",
+        "## Training", "", f"{trained}. Exported from `{source}`.", "",
+        "## Validation loss", "",
+        f"{loss:.4f} nats per token ({tokenizer} tokens)." if loss is not None else
+        "Not recorded in the checkpoint.", "",
+        "## Loading", "", "```python", load, "```", ""])
+
+
+def save_folder(model, tokenizer, out, facts):
+    """config.json (format, model config, tokenizer, validation loss) and model.safetensors."""
+    from safetensors.torch import save_file
+    config = dict(format="diffeqformer", model_config=model.cfg.to_dict(), tokenizer=tokenizer,
+                  val_loss=validation_loss(facts))
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def export(path, out, fmt="diffeqformer"):
+    """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`."""
+    facts = history(path) if os.path.isfile(path) else {"source": path}
+    model, tokenizer = common.load_model(path)
+    common.make_dir(out, "out")
+    if fmt == "hf":
+        to_transformers(model, tokenizer).save_pretrained(out)
+        transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
+    else:
+        save_folder(model, tokenizer, out, facts)
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(model_card(model, tokenizer, facts, path, fmt))
+    return model
+
+
+def push(out, repo_id):
+    """Upload the folder to the Hub (a network and a token: `huggingface-cli login`)."""
+    from huggingface_hub import HfApi
+    try:
+        api = HfApi()
+        api.create_repo(repo_id, exist_ok=True)
+        return api.upload_folder(folder_path=out, repo_id=repo_id).commit_url
+    except Exception as e:  # no network, no token, no rights: one line
+        raise UserError(f"could not push {out} to the Hub as {repo_id} ({type(e).__name__}); "
+                        f"offline, or not logged in (`huggingface-cli login`)?") from None
+
+
+def main(argv):
+    cfg, _ = parse_config(argv, ExportConfig)
+    model = export(cfg.init_from, cfg.out, cfg.format)
+    kind = "transformers" if cfg.format == "hf" else "diffeqformer"
+    print(f"{cfg.init_from}: {model.cfg.model_type} ({model.cfg.flavor}), "
+          f"{model.num_params():,} parameters -> {cfg.out}/ ({kind} format: "
+          f"{', '.join(sorted(os.listdir(cfg.out)))})")
+    if cfg.push_to_hub:
+        print(f"pushed to the Hub: {push(cfg.out, cfg.push_to_hub)}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,273 @@
+"""export.py and the loading of folders: every checkpoint kind -> safetensors folder ->
+from_pretrained gives the same logits and greedy tokens; the baselines in transformers' own classes
+give transformers' logits; GPT-2 weights come in through transformers (from a GPT2LMHeadModel built
+here with random weights, as OpenAI's would come from the Hub); offline, a Hub name is one line."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import common
+import export
+import finetune
+import lora
+import prepare
+import sample
+import train
+from configurator import UserError, run_main
+from conftest import TINY, tokenizer_or_skip
+from model import DiffEqFormer, ModelConfig
+
+KINDS = ("diffeq", "shared", "gpt", "llama", "materialized", "merged", "adapters")
+
+
+def random_model(**overrides):
+    """A tiny model whose every weight, norms and biases included, is random: a mapping that
+    mixes two of them up, or drops a transpose, changes the logits."""
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(**{**TINY, "init": "gpt", **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def checkpoint(model, tokenizer="byte"):
+    return {"kind": common.MODEL, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
+            "tokenizer": tokenizer, "iter_num": 7, "best_val_loss": 2.5}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{kind: path} of a tiny checkpoint of every kind this project writes."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {}
+    for kind, overrides in dict(diffeq={}, shared=dict(model_type="shared"),
+                                gpt=dict(model_type="baseline"),
+                                llama=dict(model_type="baseline", flavor="llama", ffn_dim=48)
+                                ).items():
+        paths[kind] = str(root / f"{kind}.pt")
+        tokenizer = "gpt2" if kind == "shared" else "byte"  # the folder must keep either
+        common.save(checkpoint(random_model(**overrides), tokenizer), paths[kind])
+    materialized = random_model().materialize(steps=4)
+    paths["materialized"] = str(root / "materialized.pt")
+    common.save(checkpoint(materialized), paths["materialized"])
+    fcfg = finetune.FinetuneConfig(steps=5, lora_rank=2)
+    adapted = lora.add_lora(random_model().materialize(steps=5), fcfg.lora_rank, fcfg.lora_alpha)
+    with torch.no_grad():  # B away from zero: the adapters change the model
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    paths["adapters"] = str(root / "adapters.pt")
+    base_sha256 = common.file_hash(paths["diffeq"])
+    common.save(finetune.adapters_file(adapted, fcfg, paths["diffeq"], base_sha256, 5),
+                paths["adapters"])
+    paths["merged"] = finetune.merge_file(paths["adapters"])
+    return paths
+
+
+def same_outputs(a, b, vocab=TINY["vocab_size"]):
+    """Logits equal within float32 rounding and the same 8 greedy tokens (KV-cache decoding)."""
+    torch.manual_seed(1)
+    idx = torch.randint(0, vocab, (2, 12))
+    with torch.no_grad():
+        la, lb = a(idx)[0][..., :vocab], b(idx)[0][..., :vocab]
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    tokens = [sample.generate(m, idx, 8, temperature=0) for m in (a, b)]
+    assert torch.equal(*tokens)
+
+
+# -- 1. the diffeqformer format: every kind round-trips ------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_then_from_pretrained_gives_the_same_model(kind, checkpoints, tmp_path):
+    export.export(checkpoints[kind], str(tmp_path / "folder"))
+    assert sorted(os.listdir(tmp_path / "folder")) == ["README.md", "config.json",
+                                                       "model.safetensors"]
+    original, tokenizer = common.load_model(checkpoints[kind])
+    loaded = DiffEqFormer.from_pretrained(str(tmp_path / "folder"))
+    assert loaded.cfg == original.cfg
+    assert common.load_model(str(tmp_path / "folder"))[1] == tokenizer
+    same_outputs(original, loaded)
+
+
+def test_config_json_and_model_card(checkpoints, tmp_path):
+    export.export(checkpoints["diffeq"], str(tmp_path))
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["format"] == "diffeqformer" and config["tokenizer"] == "byte"
+    assert config["model_config"]["model_type"] == "diffeq" and config["val_loss"] == 2.5
+    card = open(tmp_path / "README.md").read()
+    for words in ("Neural ODE Transformers", f"{TINY['n_layer']} euler steps",
+                  "2.5000 nats per token", "DiffEqFormer.from_pretrained"):
+        assert words in card
+
+
+def test_every_script_loads_a_folder(checkpoints, tmp_path, capsys):
+    """sample.py (and through common.load every script) takes the folder as --init_from."""
+    export.export(checkpoints["llama"], str(tmp_path / "folder"))
+    sample.main([f"--init_from={tmp_path / 'folder'}", "--max_new_tokens=5", "--num_samples=1",
+                 "--start=AB"])
+    assert "baseline (llama)" in capsys.readouterr().err
+
+
+def test_adapters_on_a_folder_base_check_its_hash(tmp_path, checkpoints):
+    """A folder base is hashed by its files' names and bytes: changed weights are refused."""
+    export.export(checkpoints["diffeq"], str(tmp_path / "base"))
+    before = common.file_hash(str(tmp_path / "base"))
+    lora.check_base(str(tmp_path / "base"), before)
+    export.export(checkpoints["shared"], str(tmp_path / "base"))
+    with pytest.raises(UserError, match="has changed"):
+        lora.check_base(str(tmp_path / "base"), before)
+
+
+def test_a_folder_with_broken_weights_is_one_line(checkpoints, tmp_path):
+    export.export(checkpoints["gpt"], str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="model.safetensors is missing or unreadable"):
+        common.load_model(str(tmp_path))
+
+
+# -- 2. the baselines in transformers' classes ----------------------------------------------------
+
+def transformers():
+    """transformers, an optional extra (requirements-eval.txt): its tests skip without it."""
+    return pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+def test_hf_format_is_transformers_own_class_with_the_same_logits(flavor, checkpoints, tmp_path):
+    export.export(checkpoints[flavor], str(tmp_path), "hf")
+    hf_lib = transformers()
+    cls = hf_lib.GPT2LMHeadModel if flavor == "gpt" else hf_lib.LlamaForCausalLM
+    assert json.load(open(tmp_path / "config.json"))["architectures"] == [cls.__name__]
+    hf = cls.from_pretrained(str(tmp_path)).eval()
+    ours, _ = common.load_model(checkpoints[flavor])
+    torch.manual_seed(1)
+    idx = torch.randint(0, TINY["vocab_size"], (2, TINY["block_size"]))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
+        greedy = hf.generate(idx[:, :8], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(greedy, sample.generate(ours, idx[:, :8], 8, temperature=0))
+    same_tokens(str(tmp_path), "byte")
+
+
+def same_tokens(folder, name):
+    """The folder's own tokenizer (AutoTokenizer) reads text as prepare.py's does."""
+    text = "ROMEO:\nBut, soft! what light through yonder window breaks?  Déjà vu, 1597"
+    tokenizer = transformers().AutoTokenizer.from_pretrained(folder)
+    ours = prepare.get_tokenizer(name)
+    assert tokenizer(text)["input_ids"] == ours.encode(text)
+    assert tokenizer.decode(ours.encode(text)) == text
+
+
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+def test_hf_folder_loads_back(flavor, checkpoints, tmp_path):
+    """A GPT2LMHeadModel / LlamaForCausalLM folder is itself an --init_from (the map read back)."""
+    transformers()
+    export.export(checkpoints[flavor], str(tmp_path), "hf")
+    original, _ = common.load_model(checkpoints[flavor])
+    loaded, tokenizer = common.load_model(str(tmp_path))
+    assert tokenizer == "byte" and loaded.cfg.n_layer == original.cfg.n_layer
+    same_outputs(original, loaded)
+
+
+def test_hf_format_refuses_a_model_without_a_transformers_class(checkpoints, tmp_path):
+    with pytest.raises(UserError, match="no transformers class"):
+        export.export(checkpoints["diffeq"], str(tmp_path), "hf")
+
+
+# -- 3. GPT-2 weights in --------------------------------------------------------------------------
+
+def tiny_gpt2(path, vocab=50257):
+    """A GPT2LMHeadModel with random weights, saved as from_pretrained reads OpenAI's."""
+    torch.manual_seed(0)
+    cfg = transformers().GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2,
+                                  n_head=2, n_inner=48, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    hf = transformers().GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # norms and biases away from 1 and 0
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(str(path))
+    return hf
+
+
+def test_gpt2_weights_give_transformers_logits_and_padded_rows_no_probability(tmp_path):
+    hf = tiny_gpt2(tmp_path, vocab=100)
+    model, tokenizer = common.load_model(str(tmp_path))
+    assert tokenizer == "gpt2" and model.cfg.model_type == "baseline"
+    assert (model.cfg.vocab_size, model.cfg.tokenizer_vocab) == (128, 100)  # padded to 64s
+    idx = torch.randint(0, 100, (2, 32))
+    with torch.no_grad():
+        logits = model(idx)[0]
+        torch.testing.assert_close(logits[..., :100], hf(idx).logits, rtol=1e-5, atol=1e-5)
+    assert torch.softmax(logits, -1)[..., 100:].max() == 0  # the padded rows never win
+    export.export(str(tmp_path), str(tmp_path / "back"), "hf")  # and out again: 100 rows
+    back = transformers().GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(idx).logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
+    tokenizer_or_skip("gpt2")
+    same_tokens(str(tmp_path / "back"), "gpt2")  # GPT-2's BPE, converted from tiktoken's
+
+
+def test_train_and_finetune_start_from_gpt2(tmp_path, capsys):
+    """`train.py --init_from=gpt2` on a local GPT-2 folder (the same code path as the Hub's, less
+    the download): the tokenizer follows it, iteration 0's loss is transformers' own, and the
+    padded rows keep no probability; finetune.py trains LoRA on it."""
+    hf = tiny_gpt2(tmp_path / "gpt2")
+    data, out = f"--data_root={tmp_path / 'data'}", tmp_path / "out"
+    few = ["--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2",
+           "--device=cpu", data]
+    train.main([f"--init_from={tmp_path / 'gpt2'}", f"--out_dir={out}", *few])
+    ckpt = common.load(str(out / "ckpt.pt"))
+    assert ckpt["tokenizer"] == "gpt2" and ckpt["model_config"]["tokenizer_vocab"] == 50257
+    first = json.loads(open(out / "log.jsonl").readline())
+    model, _ = common.load_model(str(tmp_path / "gpt2"))
+    batches = common.Batches(prepare.load_tokens(ckpt["data"], "val"), 32, 2, torch.device("cpu"),
+                             1337, 1)  # iteration 0's evaluation batch
+    x, y = batches.get(train.EVAL_ITERATION, 0)
+    with torch.no_grad():
+        expected = hf(x, labels=x).loss  # transformers shifts the labels itself
+        ours = model(x[:, :-1], x[:, 1:])[1]
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert abs(first["val_loss"] - model(x, y)[1].item()) < 1e-4
+    finetune.main([f"--init_from={tmp_path / 'gpt2'}", "--lora", f"--out_dir={tmp_path / 'ft'}",
+                   *few])
+    adapted, tokenizer = common.load_model(str(tmp_path / "ft" / "adapters.pt"))
+    assert tokenizer == "gpt2" and adapted.cfg.tokenizer_vocab == 50257
+
+
+def one_line(main, argv, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
+    with pytest.raises(SystemExit):
+        run_main(main)
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-xl", "someone/no-such-model"])
+def test_a_hub_name_offline_is_one_line(name, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as without a network, at once
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    err = one_line(train.main, [f"--init_from={name}", f"--out_dir={tmp_path}"], capsys,
+                   monkeypatch)
+    assert name in err and "Hugging Face Hub" in err
+
+
+def test_push_to_hub_offline_is_one_line(checkpoints, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = one_line(export.main, [f"--init_from={checkpoints['gpt']}", f"--out={tmp_path}",
+                                 "--push_to_hub=someone/model"], capsys, monkeypatch)
+    assert "could not push" in err
+
+
+def test_without_transformers_hf_is_one_line(checkpoints, tmp_path, monkeypatch):
+    """transformers is an optional extra: without it, --format=hf and a GPT-2 folder say so."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(UserError, match="needs transformers"):
+        export.export(checkpoints["gpt"], str(tmp_path), "hf")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(UserError, match="transformers model folder"):
+        common.load(str(tmp_path))
