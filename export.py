@@ -61,39 +61,42 @@ LAYERS = {"gpt": "transformer.h", "llama": "model.layers"}
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
+def layer_names(cfg):
+    """(our name, transformers' name, transposed?) of every tensor of every layer, but the Llama
+    flavour's fused attention (split into q, k, v by the two functions below)."""
+    for k in range(cfg.n_layer):
+        for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
+            for kind in ("weight", "bias"):
+                linear = kind == "weight" and not name.startswith("ln")
+                transposed = cfg.flavor == "gpt" and linear  # GPT-2's Conv1D holds W^T: (in, out)
+                yield (f"layers.{k}.{name}.{kind}", f"{LAYERS[cfg.flavor]}.{k}.{their_name}.{kind}",
+                       transposed)
+
+
 def to_transformers_state(state, cfg):
     """Our baseline's state dict -> transformers' (GPT2LMHeadModel or LlamaForCausalLM)."""
     out = {theirs: state[ours] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()}
-    gpt = cfg.flavor == "gpt"
-    for k in range(cfg.n_layer):
-        ours, theirs = f"layers.{k}", f"{LAYERS[cfg.flavor]}.{k}"
-        for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
-            for kind in ("weight", "bias"):
-                w = state.get(f"{ours}.{name}.{kind}")
-                linear = kind == "weight" and not name.startswith("ln")
-                if w is not None:  # GPT-2's Conv1D holds W^T: (in, out)
-                    out[f"{theirs}.{their_name}.{kind}"] = w.t() if gpt and linear else w
-        if not gpt:  # our fused attn (3C, C) = [W_q; W_k; W_v]
-            for their_name, w in zip(QKV, state[f"{ours}.attn.weight"].chunk(3)):
-                out[f"{theirs}.{their_name}.weight"] = w
+    for ours, theirs, transposed in layer_names(cfg):
+        if ours in state:
+            out[theirs] = state[ours].t() if transposed else state[ours]
+    if cfg.flavor == "llama":  # our fused attn (3C, C) = [W_q; W_k; W_v]
+        for k in range(cfg.n_layer):
+            for their_name, w in zip(QKV, state[f"layers.{k}.attn.weight"].chunk(3)):
+                out[f"{LAYERS['llama']}.{k}.{their_name}.weight"] = w
     return {name: w.contiguous() for name, w in out.items()}
 
 
 def from_transformers_state(state, cfg):
     """transformers' state dict -> our baseline's: the map of to_transformers_state backwards."""
-    gpt = cfg.flavor == "gpt"
     out = {ours: state[theirs] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()
            if theirs in state}
-    for k in range(cfg.n_layer):
-        ours, theirs = f"layers.{k}", f"{LAYERS[cfg.flavor]}.{k}"
-        for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
-            for kind in ("weight", "bias"):
-                w = state.get(f"{theirs}.{their_name}.{kind}")
-                linear = kind == "weight" and not name.startswith("ln")
-                if w is not None:
-                    out[f"{ours}.{name}.{kind}"] = w.t() if gpt and linear else w
-        if not gpt:
-            out[f"{ours}.attn.weight"] = torch.cat([state[f"{theirs}.{n}.weight"] for n in QKV])
+    for ours, theirs, transposed in layer_names(cfg):
+        if theirs in state:
+            out[ours] = state[theirs].t() if transposed else state[theirs]
+    if cfg.flavor == "llama":
+        for k in range(cfg.n_layer):
+            qkv = [state[f"{LAYERS['llama']}.{k}.{n}.weight"] for n in QKV]
+            out[f"layers.{k}.attn.weight"] = torch.cat(qkv)
     return {name: w.contiguous() for name, w in out.items()}
 
 
