@@ -1,31 +1,34 @@
 """
-Look inside a trained DiffEqFormer: the paper's analysis section (METHOD 6; Tong et al., Section 5, App. B, C.8, E, F).
+Look inside a trained DiffEqFormer: the paper's analysis section (METHOD 6; Tong et al., Section 5,
+App. B, C.8, E, F).
 
-    python analyze.py --lyapunov                       # which input tokens steer the next-token prediction
+    python analyze.py --lyapunov             # which input tokens steer the next-token prediction
     python analyze.py --lyapunov --prompt "ROMEO:" --steps 12
-    python analyze.py --spectral --times 200           # eigenvalues of QK, OV and the FFN product over t
-    python analyze.py --cluster                        # the particle simulation; needs no checkpoint
+    python analyze.py --spectral --times 200 # eigenvalues of QK, OV and the FFN product over t
+    python analyze.py --cluster              # the particle simulation; needs no checkpoint
     python analyze.py --all --init_from=out/ckpt.pt --out=out-analyze
 
 Three modes, each writing the raw arrays and figures (drawn by plots.py) into --out:
 
-* `--spectral` (Fig. 2a/2b, App. E): eigenvalues of QK_h(t) = Wq_h Wk_h^T and OV_h(t) = Wv_h Wo_h for every
-  head, and of the FFN product W1 W2, in the "x W" convention of METHOD 6. For an ODE checkpoint they are taken
-  at --times points of [0, 1] from the hypernetwork and at the forward pass's own grid t_k = (k+1)/N, which
-  the figures mark (the weights are continuous in t, but the time embedding's scale of 1000 lets them vary
-  within 0.01 of t, and training with N steps only ever sets them on the grid); for a GPT, Llama or
-  materialised checkpoint, layer by layer.
-* `--cluster` (Fig. 2c/2d, App. C.8): the attention-only particle system with weights f(t) * (Q0, K0, V0) for
-  f = 1 (weight sharing), t, t^2, t^3, t^4; 3-D trajectories and the number of clusters over t.
-* `--lyapunov` (Eq. 7, Fig. 3, App. B, F): for each input token, the largest finite-time Lyapunov exponent
-  of the tangent dynamics that link it to the last position, along the forward pass's own trajectory;
-  the prompt shaded by it (HTML and PNG) beside the plain attention weights of the last position.
+* `--spectral` (Fig. 2a/2b, App. E): eigenvalues of QK_h(t) = Wq_h Wk_h^T and OV_h(t) = Wv_h Wo_h
+  for every head, and of the FFN product W1 W2, in the "x W" convention of METHOD 6. For an ODE
+  checkpoint they are taken at --times points of [0, 1] from the hypernetwork and at the forward
+  pass's own grid t_k = (k+1)/N, which the figures mark (the weights are continuous in t, but the
+  time embedding's scale of 1000 lets them vary within 0.01 of t, and training with N steps only
+  ever sets them on the grid); for a GPT, Llama or materialised checkpoint, layer by layer.
+* `--cluster` (Fig. 2c/2d, App. C.8): the attention-only particle system with weights
+  f(t) * (Q0, K0, V0) for f = 1 (weight sharing), t, t^2, t^3, t^4; 3-D trajectories and the
+  number of clusters over t.
+* `--lyapunov` (Eq. 7, Fig. 3, App. B, F): for each input token, the largest finite-time Lyapunov
+  exponent of the tangent dynamics that link it to the last position, along the forward pass's own
+  trajectory; the prompt shaded by it (HTML and PNG) beside the plain attention weights of the last
+  position.
 
 Everything is computed in float64 on the CPU from the model's own weight generation (`step_weights`,
-`hyper`, `vector_field`), so what is analysed is what the forward pass multiplies by. Where the authors'
-analysis code differs, this file follows METHOD 6: the Lyapunov Jacobians and the spectra are taken at the
-forward pass's times (k+1)/N (theirs at k/N), the spectra come through the time MLP (theirs bypass it) and
-the eigenvalues stay complex (theirs drop the imaginary parts).
+`hyper`, `vector_field`), so what is analysed is what the forward pass multiplies by. Where the
+authors' analysis code differs, this file follows METHOD 6: the Lyapunov Jacobians and the spectra
+are taken at the forward pass's times (k+1)/N (theirs at k/N), the spectra come through the time
+MLP (theirs bypass it) and the eigenvalues stay complex (theirs drop the imaginary parts).
 """
 import os
 from dataclasses import dataclass
@@ -42,13 +45,16 @@ import prepare
 from configurator import UserError, make_dir, parse_config, run_main
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
-DEFAULT_PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the"
-SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}  # f(t) = t^p; p = 0 is 1
+DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
+                  "It is the east, and Juliet is the")
+# f(t) = t^p; p = 0 is 1
+SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}
 
 
 @dataclass
 class AnalyzeConfig:
-    spectral: bool = False  # eigenvalues of QK, OV and the FFN product over t or layers (Fig. 2a/2b, App. E)
+    spectral: bool = False  # eigenvalues of QK, OV and the FFN product over t or layers
+                            # (Fig. 2a/2b, App. E)
     cluster: bool = False  # the particle simulation of App. C.8 (Fig. 2c/2d); needs no checkpoint
     lyapunov: bool = False  # token sensitivity by Lyapunov exponents (Eq. 7, Fig. 3)
     all: bool = False  # all three
@@ -64,7 +70,8 @@ class AnalyzeConfig:
         if self.all:
             self.spectral = self.cluster = self.lyapunov = True
         if self.steps < 0 or self.times < 2 or self.top < 1:
-            raise ValueError(f"need --steps >= 0, --times >= 2 and --top >= 1, got {self.steps}, {self.times}, {self.top}")
+            raise ValueError(f"need --steps >= 0, --times >= 2 and --top >= 1, "
+                             f"got {self.steps}, {self.times}, {self.top}")
 
 
 @dataclass
@@ -73,18 +80,21 @@ class ClusterConfig:
     dim: int = 3  # the figure shows the first three coordinates
     sim_steps: int = 200  # Euler steps over t in [0, 1]
     weight_std: float = 4.0  # std of the entries of Q0, K0, V0: the interaction strength at t = 1
-    sphere: bool = True  # project the particles onto the unit sphere after each step (Geshkovski et al.)
+    sphere: bool = True  # project the particles onto the unit sphere after each step
+                         # (Geshkovski et al.)
     seed: int = 0
-    cluster_cos: float = 0.99  # two particles are in one cluster when linked by cosine similarities >= this
+    cluster_cos: float = 0.99  # two particles are in one cluster when linked by cosine
+                               # similarities >= this
 
     def __post_init__(self):
         if self.particles < 2 or self.dim < 3 or self.sim_steps < 1 or self.weight_std <= 0:
-            raise ValueError("need --particles >= 2, --dim >= 3, --sim_steps >= 1 and --weight_std > 0")
+            raise ValueError("need --particles >= 2, --dim >= 3, --sim_steps >= 1 "
+                             "and --weight_std > 0")
         if not -1.0 < self.cluster_cos < 1.0:
             raise ValueError(f"--cluster_cos={self.cluster_cos} must be in (-1, 1)")
 
 
-# -- the checkpoint and the weights the forward pass multiplies by -------------------------------------
+# -- the checkpoint and the weights the forward pass multiplies by ---------------------------------
 
 def load_model(path):
     """Any checkpoint's model (common.load_model) in float64, and its tokenizer's name."""
@@ -93,10 +103,12 @@ def load_model(path):
 
 
 def resolve_steps(model, steps, path):
-    """The number of Euler steps to analyse: --steps for an ODE checkpoint, the layers of any other."""
+    """The number of Euler steps to analyse: --steps for an ODE checkpoint, the layers of any
+    other."""
     cfg = model.cfg
     if steps and not cfg.is_ode:
-        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with {cfg.n_layer} fixed layers: --steps "
+        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with "
+                        f"{cfg.n_layer} fixed layers: --steps "
                         f"applies only to an ODE checkpoint (diffeq or shared); leave it out")
     try:
         return model.check_steps(steps or None, "euler")[0]
@@ -105,16 +117,17 @@ def resolve_steps(model, steps, path):
 
 
 def forward_weights(model, steps):
-    """The block weights of each step or layer, [{name: (weight, bias)}], exactly those the forward pass
-    multiplies by: an ODE's `step_weights` at t_k = (k+1)/N (METHOD 2), or the layers' parameters."""
+    """The block weights of each step or layer, [{name: (weight, bias)}], exactly those the forward
+    pass multiplies by: an ODE's `step_weights` at t_k = (k+1)/N (METHOD 2), or the layers'
+    parameters."""
     if model.cfg.is_ode:
         return model.step_weights(steps, "euler")
     return [layer.weights() for layer in model.layers]
 
 
 def weights_at(model, ts):
-    """An ODE's block weights at any times ts, {name: (W (T, out, in), b (T, out) or None)}: the hypernetwork's
-    output (METHOD 3), or the shared block's at every t."""
+    """An ODE's block weights at any times ts, {name: (W (T, out, in), b (T, out) or None)}: the
+    hypernetwork's output (METHOD 3), or the shared block's at every t."""
     if model.cfg.model_type == "shared":
         return stack([model.block.weights()] * len(ts))
     return model.hyper(ts)
@@ -122,42 +135,48 @@ def weights_at(model, ts):
 
 def stack(ws):
     """[{name: (W, b)}, ...] -> {name: (W stacked, b stacked or None)}."""
-    return {name: tuple(None if ws[0][name][i] is None else torch.stack([w[name][i] for w in ws]) for i in (0, 1))
+    return {name: tuple(None if ws[0][name][i] is None else torch.stack([w[name][i] for w in ws])
+                        for i in (0, 1))
             for name in ws[0]}
 
 
 def head_weights(W, n_head):
-    """The fused QKV weight (..., 3C, C) in nn.Linear's layout -> Wq, Wk, Wv rows per head, each (..., H, d_h, C):
-    row r of head h is column r of Wq_h in the "x W" convention (q_h = x Wq_h)."""
+    """The fused QKV weight (..., 3C, C) in nn.Linear's layout -> Wq, Wk, Wv rows per head, each
+    (..., H, d_h, C): row r of head h is column r of Wq_h in the "x W" convention (q_h = x Wq_h)."""
     return W.unflatten(-2, (3, n_head, W.size(-1) // n_head)).unbind(-4)
 
 
-# -- spectral dynamics (METHOD 6, Fig. 2a/2b, App. E) ----------------------------------------------------
+# -- spectral dynamics (METHOD 6, Fig. 2a/2b, App. E) ----------------------------------------------
 
 def spectra(w, cfg):
-    """Eigenvalues of QK_h = Wq_h Wk_h^T (H per step), OV_h = Wv_h Wo_h (H per step) and the FFN product W1 W2 for
-    stacked block weights (METHOD 6, "x W" convention): (T, H, d_h), (T, H, d_h), (T, D), complex, each sorted by
-    decreasing magnitude. QK_h and OV_h are D x D of rank d_h, so besides D - d_h zeros their eigenvalues are
-    those of the d_h x d_h products Wk_h^T Wq_h and Wo_h Wv_h (eig(AB) = eig(BA)), which are what is computed.
-    The FFN product is fc then fc2 (GPT) or up then down (SwiGLU, whose gate acts elementwise). Biases, norm
-    gains and RoPE are not part of these products."""
+    """Eigenvalues of QK_h = Wq_h Wk_h^T (H per step), OV_h = Wv_h Wo_h (H per step) and the FFN
+    product W1 W2 for stacked block weights (METHOD 6, "x W" convention): (T, H, d_h), (T, H, d_h),
+    (T, D), complex, each sorted by decreasing magnitude. QK_h and OV_h are D x D of rank d_h, so
+    besides D - d_h zeros their eigenvalues are those of the d_h x d_h products Wk_h^T Wq_h and Wo_h
+    Wv_h (eig(AB) = eig(BA)), which are what is computed. The FFN product is fc then fc2 (GPT) or up
+    then down (SwiGLU, whose gate acts elementwise). Biases, norm gains and RoPE are not part of
+    these products."""
     q, k, v = head_weights(w["attn"][0], cfg.n_head)  # (T, H, d_h, D) each
-    Wo = w["proj"][0].unflatten(-1, (cfg.n_head, -1)).movedim(-2, -3)  # (T, H, D, d_h): columns of head h
+    # (T, H, D, d_h): the columns of head h
+    Wo = w["proj"][0].unflatten(-1, (cfg.n_head, -1)).movedim(-2, -3)
     first, last = ("up", "down") if cfg.flavor == "llama" else ("fc", "fc2")
-    # Wk_h^T Wq_h, (Wo_h Wv_h)^T (T, H, d_h, d_h) and (W1 W2)^T (T, D, D): a transpose has the same eigenvalues
+    # Wk_h^T Wq_h, (Wo_h Wv_h)^T (T, H, d_h, d_h) and (W1 W2)^T (T, D, D):
+    # a transpose has the same eigenvalues
     mats = (k @ q.mT, v @ Wo, w[last][0] @ w[first][0])
     eig = [torch.linalg.eigvals(m) for m in mats]
     return [e.gather(-1, e.abs().argsort(dim=-1, descending=True)) for e in eig]
 
 
 def spectral(model, steps, times, out):
-    """--spectral: the eigenvalues along t (ODE: --times points and the forward grid) or along the layers."""
+    """--spectral: the eigenvalues along t (ODE: --times points and the forward grid) or along the
+    layers."""
     cfg = model.cfg
     names = ("qk", "ov", "ffn")
     grid = [s.numpy() for s in spectra(stack(forward_weights(model, steps)), cfg)]
     if cfg.is_ode:
         ts = torch.linspace(0, 1, times, dtype=torch.float64)
-        chunks = [spectra(weights_at(model, chunk), cfg) for chunk in tqdm(ts.split(16), desc="spectra", leave=False)]
+        chunks = [spectra(weights_at(model, chunk), cfg)
+                  for chunk in tqdm(ts.split(16), desc="spectra", leave=False)]
         curves = [torch.cat(parts).numpy() for parts in zip(*chunks)]
         grid_x = np.arange(1, steps + 1) / steps
         arrays = dict(t=ts.numpy(), t_grid=grid_x, **dict(zip(names, curves)),
@@ -170,8 +189,9 @@ def spectral(model, steps, times, out):
     os.makedirs(out, exist_ok=True)
     np.savez(os.path.join(out, "spectral.npz"), **arrays)
     titles = {"qk": "QK_h = Wq_h Wk_h^T", "ov": "OV_h = Wv_h Wo_h", "ffn": "FFN product W1 W2"}
-    paths = [plots.spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel, f"{titles[n]} ({cfg.model_type}, "
-                            f"{cfg.flavor}, N = {steps})", os.path.join(out, f"spectral_{n}.png"))
+    paths = [plots.spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel,
+                            f"{titles[n]} ({cfg.model_type}, {cfg.flavor}, N = {steps})",
+                            os.path.join(out, f"spectral_{n}.png"))
              for n, curve, g in zip(names, curves, grid)]
     print("spectral radius (largest |eigenvalue|, over heads) " +
           ("at the forward pass's times t_k = (k+1)/N:" if cfg.is_ode else "layer by layer:"))
@@ -180,21 +200,24 @@ def spectral(model, steps, times, out):
         print(f"{point:8.3g}  " + "  ".join(f"{np.abs(g[i]).max():9.4g}" for g in grid))
     for n, g, curve in zip(names, grid, curves):
         radius = np.abs(g).reshape(steps, -1).max(axis=1)
-        line = (f"{n.upper()}: spectral radius {radius[0]:.4g} at {xlabel} {grid_x[0]:.3g} -> {radius[-1]:.4g} at "
-                f"{grid_x[-1]:.3g}, largest {radius.max():.4g} at {grid_x[radius.argmax()]:.3g}")
-        if cfg.is_ode:  # between the grid times the weights are never used by the N-step forward pass
+        line = (f"{n.upper()}: spectral radius {radius[0]:.4g} at {xlabel} {grid_x[0]:.3g} "
+                f"-> {radius[-1]:.4g} at {grid_x[-1]:.3g}, "
+                f"largest {radius.max():.4g} at {grid_x[radius.argmax()]:.3g}")
+        # between the grid times the weights are never used by the N-step forward pass
+        if cfg.is_ode:
             between = np.abs(curve).reshape(len(x), -1).max(axis=1)
             line += f"; over all {times} times: {between.min():.4g} .. {between.max():.4g}"
         print(line)
     print(f"wrote {', '.join(paths)} and {os.path.join(out, 'spectral.npz')}")
 
 
-# -- clustering of particles (METHOD 6, App. C.8, Fig. 2c/2d) --------------------------------------------
+# -- clustering of particles (METHOD 6, App. C.8, Fig. 2c/2d) --------------------------------------
 
 def simulate_particles(x0, Q0, K0, V0, power, steps, sphere):
-    """dx_i/dt = sum_j softmax_j(<Q(t) x_i, K(t) x_j>) V(t) x_j with Q, K, V = f(t) (Q0, K0, V0), f(t) = t^power
-    (power 0: f = 1, weight sharing), by Euler over t in [0, 1] with the weights at the end of each step as in
-    METHOD 2, optionally projected onto the unit sphere after each step. Returns (steps + 1, n, d)."""
+    """dx_i/dt = sum_j softmax_j(<Q(t) x_i, K(t) x_j>) V(t) x_j with Q, K, V = f(t) (Q0, K0, V0),
+    f(t) = t^power (power 0: f = 1, weight sharing), by Euler over t in [0, 1] with the weights at
+    the end of each step as in METHOD 2, optionally projected onto the unit sphere after each step.
+    Returns (steps + 1, n, d)."""
     h = 1.0 / steps
     x = x0 / np.linalg.norm(x0, axis=-1, keepdims=True) if sphere else x0
     xs = [x]
@@ -210,8 +233,9 @@ def simulate_particles(x0, Q0, K0, V0, power, steps, sphere):
 
 
 def count_clusters(x, min_cos):
-    """Clusters of the particles' directions (n, d): the connected groups of the graph that links two particles
-    whose cosine similarity is at least min_cos (single linkage at an angular threshold)."""
+    """Clusters of the particles' directions (n, d): the connected groups of the graph that links
+    two particles whose cosine similarity is at least min_cos (single linkage at an angular
+    threshold)."""
     u = x / np.linalg.norm(x, axis=-1, keepdims=True)
     linked = (u @ u.T >= min_cos).astype(np.int64)
     reach = linked
@@ -223,29 +247,34 @@ def count_clusters(x, min_cos):
 
 
 def cluster(ccfg, out):
-    """--cluster: simulate every schedule from the same particles and matrices; figure, table, arrays."""
+    """--cluster: simulate every schedule from the same particles and matrices; figure, table,
+    arrays."""
     rng = np.random.default_rng(ccfg.seed)
     x0 = rng.uniform(-1.0, 1.0, (ccfg.particles, ccfg.dim))
     Q0, K0, V0 = (ccfg.weight_std * rng.standard_normal((ccfg.dim, ccfg.dim)) for _ in range(3))
-    paths = np.stack([simulate_particles(x0, Q0, K0, V0, p, ccfg.sim_steps, ccfg.sphere) for p in SCHEDULES.values()])
+    paths = np.stack([simulate_particles(x0, Q0, K0, V0, p, ccfg.sim_steps, ccfg.sphere)
+                      for p in SCHEDULES.values()])
     t = np.arange(ccfg.sim_steps + 1) / ccfg.sim_steps
-    clusters = np.array([[count_clusters(x, ccfg.cluster_cos) for x in path] for path in paths])  # (schedules, steps+1)
+    # (schedules, steps+1)
+    clusters = np.array([[count_clusters(x, ccfg.cluster_cos) for x in path] for path in paths])
     os.makedirs(out, exist_ok=True)
-    np.savez(os.path.join(out, "cluster.npz"), t=t, trajectories=paths, clusters=clusters, schedules=list(SCHEDULES),
-             x0=x0, Q0=Q0, K0=K0, V0=V0)
+    np.savez(os.path.join(out, "cluster.npz"), t=t, trajectories=paths, clusters=clusters,
+             schedules=list(SCHEDULES), x0=x0, Q0=Q0, K0=K0, V0=V0)
     rows = np.linspace(0, ccfg.sim_steps, 5).round().astype(int)
     table = [f"clusters among {ccfg.particles} particles (cosine >= {ccfg.cluster_cos}), "
              f"{'on the sphere' if ccfg.sphere else 'no projection'}, seed {ccfg.seed}",
              f"{'schedule':<16}" + "".join(f"{f't={t[r]:.2f}':>8}" for r in rows)]
-    table += [f"{name:<16}" + "".join(f"{c[r]:8d}" for r in rows) for name, c in zip(SCHEDULES, clusters)]
+    table += [f"{name:<16}" + "".join(f"{c[r]:8d}" for r in rows)
+              for name, c in zip(SCHEDULES, clusters)]
     print("\n".join(table))
     with open(os.path.join(out, "cluster.txt"), "w") as f:
         f.write("\n".join(table) + "\n")
-    png = plots.clusters(list(SCHEDULES), paths, t, clusters, ccfg, os.path.join(out, "cluster.png"))
+    png = plots.clusters(list(SCHEDULES), paths, t, clusters, ccfg,
+                         os.path.join(out, "cluster.png"))
     print(f"wrote {png}, {os.path.join(out, 'cluster.txt')} and {os.path.join(out, 'cluster.npz')}")
 
 
-# -- Lyapunov token sensitivity (METHOD 6, Eq. 7, App. B) ----------------------------------------------
+# -- Lyapunov token sensitivity (METHOD 6, Eq. 7, App. B) ------------------------------------------
 
 def embed(model, idx):
     """X_0 of METHOD 1 for one sequence of token ids (T,): (T, D)."""
@@ -254,35 +283,40 @@ def embed(model, idx):
 
 
 def step_fields(model, steps, T):
-    """The forward pass as Euler steps X_{k+1} = X_k + h F_k(X_k) of one sequence's state (T, D): ([F_k], h, weights).
-    F_k is the vector field of METHOD 1 with step k's weights; a GPT or Llama layer, which adds attention and MLP
-    one after the other, is a step of size 1 of F_k(X) = layer(X) - X (METHOD 4)."""
+    """The forward pass as Euler steps X_{k+1} = X_k + h F_k(X_k) of one sequence's state (T, D):
+    ([F_k], h, weights). F_k is the vector field of METHOD 1 with step k's weights; a GPT or Llama
+    layer, which adds attention and MLP one after the other, is a step of size 1 of F_k(X) =
+    layer(X) - X (METHOD 4)."""
     cfg = model.cfg
     W = forward_weights(model, steps)
-    rope = rope_tables(torch.arange(T), cfg.n_embd // cfg.n_head, torch.float64) if cfg.flavor == "llama" else None
+    rope = (rope_tables(torch.arange(T), cfg.n_embd // cfg.n_head, torch.float64)
+            if cfg.flavor == "llama" else None)
     if cfg.model_type == "baseline":
         fields = [lambda x, w=w: sequential_block(x[None], w, cfg, rope, 0.0)[0] - x for w in W]
         return fields, 1.0, W, rope
-    return [lambda x, w=w: vector_field(x[None], w, cfg, rope, 0.0)[0] for w in W], 1.0 / len(W), W, rope
+    fields = [lambda x, w=w: vector_field(x[None], w, cfg, rope, 0.0)[0] for w in W]
+    return fields, 1.0 / len(W), W, rope
 
 
 def jacobians(F_k, x, out):
-    """F_k(x) and J[in] = dF_k(x)[out] / dx[in] for every input position, (T, D, D): one vector-Jacobian product
-    vmapped over the D unit cotangents of F_k[out] (torch.func), not a loop over coordinates."""
+    """F_k(x) and J[in] = dF_k(x)[out] / dx[in] for every input position, (T, D, D): one
+    vector-Jacobian product vmapped over the D unit cotangents of F_k[out] (torch.func), not a loop
+    over coordinates."""
     T, D = x.shape
     cotangents = torch.zeros(D, T, D, dtype=x.dtype)
     cotangents[:, out] = torch.eye(D, dtype=x.dtype)
-    with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls and softmax, which vmap batches (the fused CPU
-        # kernel's backward it cannot: it would fall back to a loop over the D cotangents, 4x slower)
+    # attention as matmuls and softmax, which vmap batches (the fused CPU kernel's backward it
+    # cannot: it would fall back to a loop over the D cotangents, 4x slower)
+    with sdpa_kernel(SDPBackend.MATH):
         y, vjp = torch.func.vjp(F_k, x)
         (J,) = torch.func.vmap(vjp)(cotangents)  # (D, T, D): J[i, in, j] = dF[out]_i / dx[in]_j
     return y, J.transpose(0, 1)
 
 
 def lyapunov_exponents(fields, h, x0, out, progress=False):
-    """Eq. 7 (METHOD 6): along X_0 .. X_N of the Euler solve, for every input position at once, Q_0 = I and
-    Q <- Q + h J_k Q, J_k = dF_k(X_k)[out] / dX_k[in], then QR and lambda += log|diag R|. Returns the summed
-    exponents (T, D), in the QR's order, and the trajectory [X_0, .., X_N]."""
+    """Eq. 7 (METHOD 6): along X_0 .. X_N of the Euler solve, for every input position at once, Q_0
+    = I and Q <- Q + h J_k Q, J_k = dF_k(X_k)[out] / dX_k[in], then QR and lambda += log|diag R|.
+    Returns the summed exponents (T, D), in the QR's order, and the trajectory [X_0, .., X_N]."""
     T, D = x0.shape
     Q = torch.eye(D, dtype=x0.dtype).expand(T, D, D)
     exponents = torch.zeros(T, D, dtype=x0.dtype)
@@ -296,8 +330,8 @@ def lyapunov_exponents(fields, h, x0, out, progress=False):
 
 
 def last_position_attention(x, w, cfg, rope):
-    """The plain attention weights of the last position over all positions, per head (H, T) (App. F):
-    softmax(q_out k_in^T / sqrt(d_h)) on the normed state, with the step's own weights."""
+    """The plain attention weights of the last position over all positions, per head (H, T) (App.
+    F): softmax(q_out k_in^T / sqrt(d_h)) on the normed state, with the step's own weights."""
     Wq, Wk, _ = head_weights(w["attn"][0], cfg.n_head)  # (H, d_h, D)
     y = norm(x, *w["ln_1"], cfg.flavor)  # (T, D)
     q, k = y @ Wq.mT, y @ Wk.mT  # (H, T, d_h)
@@ -310,7 +344,8 @@ def last_position_attention(x, w, cfg, rope):
 
 
 def read_prompt(acfg, tok, block_size):
-    """The token ids of --prompt or --prompt_file; an empty prompt or one longer than the context is an error."""
+    """The token ids of --prompt or --prompt_file; an empty prompt or one longer than the context is
+    an error."""
     text = acfg.prompt
     if acfg.prompt_file:
         if not os.path.isfile(acfg.prompt_file):
@@ -319,39 +354,48 @@ def read_prompt(acfg, tok, block_size):
             text = f.read()
     ids = tok.encode(text)
     if not text.strip() or not ids:
-        raise UserError("the prompt is empty: give some text with --prompt=... or --prompt_file=PATH")
+        raise UserError("the prompt is empty: "
+                        "give some text with --prompt=... or --prompt_file=PATH")
     if len(ids) > block_size:
-        raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size}: shorten it")
+        raise UserError(f"the prompt is {len(ids)} tokens, "
+                        f"longer than the model's context of {block_size}: shorten it")
     return ids
 
 
 def lyapunov(model, tok, ids, steps, top, out):
-    """--lyapunov: exponents of every input token for the last position; shaded text, attention, arrays."""
+    """--lyapunov: exponents of every input token for the last position; shaded text, attention,
+    arrays."""
     cfg = model.cfg
     idx = torch.tensor(ids)
     fields, h, W, rope = step_fields(model, steps, len(ids))
     exponents, xs = lyapunov_exponents(fields, h, embed(model, idx), len(ids) - 1, progress=True)
     exponents = exponents.sort(dim=-1, descending=True).values.numpy()  # (T, D)
     scores = exponents[:, 0]  # the largest exponent of each input token
-    attention = torch.stack([last_position_attention(x, w, cfg, rope) for x, w in zip(xs, W)]).numpy()  # (N, H, T)
+    attention = torch.stack([last_position_attention(x, w, cfg, rope)
+                             for x, w in zip(xs, W)]).numpy()  # (N, H, T)
     tokens = [tok.decode([i]) for i in ids]
     os.makedirs(out, exist_ok=True)
-    np.savez(os.path.join(out, "lyapunov.npz"), tokens=np.array(ids), text=np.array(tokens), exponents=exponents,
-             scores=scores, attention=attention, steps=steps)
+    np.savez(os.path.join(out, "lyapunov.npz"), tokens=np.array(ids), text=np.array(tokens),
+             exponents=exponents, scores=scores, attention=attention, steps=steps)
     mean_attention = attention.mean(axis=(0, 1))
-    title = (f"{cfg.model_type} ({cfg.flavor}), {steps} {'Euler steps' if cfg.is_ode else 'layers'}; outlined: the "
-             f"last position,\nwhose next token is predicted")
-    rows = [("Lyapunov score (largest exponent) of each token for the last position", scores, "Blues"),
-            ("attention of the last position, mean over heads and steps", mean_attention, "Purples")]
+    title = (f"{cfg.model_type} ({cfg.flavor}), "
+             f"{steps} {'Euler steps' if cfg.is_ode else 'layers'}; "
+             f"outlined: the last position,\nwhose next token is predicted")
+    rows = [("Lyapunov score (largest exponent) of each token for the last position",
+             scores, "Blues"),
+            ("attention of the last position, mean over heads and steps",
+             mean_attention, "Purples")]
     png = plots.shaded_text(tokens, rows, title, os.path.join(out, "lyapunov.png"))
     page = plots.shaded_html(tokens, rows, title, os.path.join(out, "lyapunov.html"))
-    print(f"the {min(top, len(ids))} input tokens that most steer the prediction after {tokens[-1]!r}:")
+    print(f"the {min(top, len(ids))} input tokens "
+          f"that most steer the prediction after {tokens[-1]!r}:")
     for i in np.argsort(-scores)[:top]:
-        print(f"  position {i:4d}  {tokens[i]!r:>14}  score {scores[i]:8.4f}  attention {mean_attention[i]:.4f}")
+        print(f"  position {i:4d}  {tokens[i]!r:>14}  score {scores[i]:8.4f}  "
+              f"attention {mean_attention[i]:.4f}")
     print(f"wrote {png}, {page} and {os.path.join(out, 'lyapunov.npz')}")
 
 
-# -- the script -----------------------------------------------------------------------------------------
+# -- the script ------------------------------------------------------------------------------------
 
 def main(argv):
     acfg, ccfg, given = parse_config(argv, AnalyzeConfig, ClusterConfig)
@@ -361,8 +405,9 @@ def main(argv):
         model, tokenizer = load_model(acfg.init_from)
         mcfg, steps = model.cfg, resolve_steps(model, acfg.steps, acfg.init_from)
         if acfg.spectral and "times" in given and not mcfg.is_ode:
-            raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, whose weights exist only at its "
-                            f"layers: --times applies only to an ODE checkpoint; leave it out")
+            raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, "
+                            f"whose weights exist only at its layers: "
+                            f"--times applies only to an ODE checkpoint; leave it out")
         if acfg.lyapunov:
             try:
                 tok = prepare.get_tokenizer(tokenizer)
@@ -374,7 +419,8 @@ def main(argv):
         cluster(ccfg, acfg.out)
     if acfg.spectral or acfg.lyapunov:
         print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), {steps} "
-              f"{'Euler steps' if mcfg.is_ode else 'layers'}, width {mcfg.n_embd}, {mcfg.n_head} heads")
+              f"{'Euler steps' if mcfg.is_ode else 'layers'}, "
+              f"width {mcfg.n_embd}, {mcfg.n_head} heads")
         with torch.no_grad():  # torch.func differentiates inside it all the same
             if acfg.spectral:
                 spectral(model, steps, acfg.times, acfg.out)

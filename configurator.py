@@ -1,7 +1,8 @@
-"""
+r"""
 The command line of every script: config files, then overrides.
 
-    python train.py config/owt_gpt_small.py --model_type=baseline --max_iters 100 --compile --no-wandb
+    python train.py config/owt_gpt_small.py --model_type=baseline --max_iters 100 \
+        --compile --no-wandb
 
 Config files are short Python files of plain assignments; `include("other.py")` runs another one,
 named relative to the including file. Every key, from a file or a flag, is routed to the one
@@ -36,7 +37,8 @@ class Interrupted(UserError):
 
 
 def int_range(text, key, high):
-    """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within 1..high."""
+    """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within
+    1..high."""
     lo, _, hi = text.partition("-")
     if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo) <= high):
         raise ValueError(f"{key}={text!r}: use a whole number or a range like 3-9 within 1..{high}")
@@ -64,14 +66,17 @@ def fields_of(*classes):
     for cls in classes:
         for f in dataclasses.fields(cls):
             if f.name in owners:
-                raise TypeError(f"config key {f.name!r} is owned by both {owners[f.name][0].__name__} and {cls.__name__}")
+                raise TypeError(f"config key {f.name!r} is owned by both "
+                                f"{owners[f.name][0].__name__} and {cls.__name__}")
             owners[f.name] = (cls, f)
     return owners
 
 
 def coerce(key, value, annotation):
-    """value (a string from the command line, or a Python value from a config file) as `annotation`."""
-    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+    """value (a string from the command line, or a Python value from a config file) as
+    `annotation`."""
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    optional = is_union and type(None) in typing.get_args(annotation)
     if optional:
         if value is None or (isinstance(value, str) and value.lower() == "none"):
             return None
@@ -96,12 +101,14 @@ def coerce(key, value, annotation):
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository: config/ lives here
-BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+              "0": False, "false": False, "no": False, "off": False}
 
 
 def find_config_file(path, relative_to=None):
     """A config file named relative to `relative_to` (another config file's folder), else to the
-    current directory, else to the repository, so that scripts run from anywhere find config/x.py."""
+    current directory, else to the repository, so that scripts run from anywhere find
+    config/x.py."""
     bases = [relative_to] if relative_to else [os.getcwd(), ROOT]
     for base in bases:
         candidate = os.path.join(base, path)
@@ -112,7 +119,8 @@ def find_config_file(path, relative_to=None):
 
 def read_config_file(path, relative_to=None):
     """The plain assignments of a config file, as a dict (imports and underscore names left out).
-    `include("other.py")` inside a config file runs another config file, named relative to itself."""
+    `include("other.py")` inside a config file runs another config file, named relative to
+    itself."""
     path = find_config_file(path, relative_to)
     scope = {"include": lambda other: scope.update(read_config_file(other, os.path.dirname(path)))}
     try:
@@ -122,24 +130,45 @@ def read_config_file(path, relative_to=None):
     except Exception as e:
         raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from e
     return {k: v for k, v in scope.items()
-            if not k.startswith("_") and k != "include" and not isinstance(v, (types.ModuleType, types.FunctionType))}
+            if not k.startswith("_") and k != "include"
+            and not isinstance(v, (types.ModuleType, types.FunctionType))}
+
+
+def field_comments(cls):
+    """{field: the comment beside it} from a dataclass's source. A long comment goes on over the
+    next lines, each holding only a `#` in the same column as the first: one comment, joined."""
+    comments, last, column = {}, None, -1
+    for line in inspect.getsource(cls).splitlines():
+        field = re.match(r"^\s+(\w+):[^#\n]*(#)\s*(.*)$", line)
+        more = re.match(r"^(\s*)#\s*(.*)$", line)
+        if field:
+            last, column = field.group(1), field.start(2)
+            comments[last] = field.group(3)
+        elif more and last and len(more.group(1)) == column:
+            comments[last] += " " + more.group(2)
+        else:
+            last = None
+    return comments
 
 
 def usage(classes):
     """`--help`: every key with its type, default and the comment beside its field."""
-    lines = ["usage: python SCRIPT.py [config/FILE.py ...] [--key=value | --key value | --flag | --no-flag ...]"]
+    lines = ["usage: python SCRIPT.py [config/FILE.py ...] "
+             "[--key=value | --key value | --flag | --no-flag ...]"]
     for cls in classes:
-        comments = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+        comments = field_comments(cls)
         lines.append(f"\n{cls.__name__}:")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             type_name = getattr(f.type, "__name__", str(f.type))
-            lines.append(f"  --{f.name}={default!r} ({type_name})" + (f"  {comments[f.name]}" if f.name in comments else ""))
+            comment = f"  {comments[f.name]}" if f.name in comments else ""
+            lines.append(f"  --{f.name}={default!r} ({type_name})" + comment)
     return "\n".join(lines)
 
 
 def split_args(argv, owners):
-    """(config files, [(key, raw value)]) from argv: `--k=v`, `--k v`, `--flag`, `--flag false`, `--no-flag`."""
+    """(config files, [(key, raw value)]) from argv: `--k=v`, `--k v`, `--flag`, `--flag false`,
+    `--no-flag`."""
     files, pairs, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
@@ -188,7 +217,8 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
     unknown = sorted(k for k in values if k not in owners)
     if unknown:
         where = values[unknown[0]][1]
-        raise ConfigError(f"unknown config key {unknown[0]!r} {where}; valid keys: {', '.join(sorted(owners))}")
+        raise ConfigError(f"unknown config key {unknown[0]!r} {where}; "
+                          f"valid keys: {', '.join(sorted(owners))}")
     kwargs = {cls: {} for cls in classes}
     for key, (value, _) in values.items():
         cls, field = owners[key]

@@ -1,14 +1,15 @@
 """
-Every figure and web page of the project, apart from the maths that computes what they show: the scripts
-compute their numbers, then hand them to one function here per figure.
+Every figure and web page of the project, apart from the maths that computes what they show: the
+scripts compute their numbers, then hand them to one function here per figure.
 
 * training: the loss curve of a run (train.py's loss.png)
-* analysis (analyze.py): eigenvalue spectra over t, the particle simulation, the prompt shaded by its
-  Lyapunov scores (PNG and HTML)
+* analysis (analyze.py): eigenvalue spectra over t, the particle simulation, the prompt shaded by
+  its Lyapunov scores (PNG and HTML)
 * experiments: validation loss against depth (experiments/depth.py), the downstream-task bar chart
   (experiments/eval.py)
 
-The figures of the results page stay in experiments/reproduce.py: each one reads that page's summary.
+The figures of the results page stay in experiments/reproduce.py: each one reads that page's
+summary.
 Figures go to files only (the Agg backend); nothing here needs a display.
 """
 import html
@@ -26,22 +27,24 @@ DPI = 100
 
 
 def save_figure(fig, path):
-    """A small PNG: rendered at DPI, then reduced to a 256-colour palette (a third of the bytes for line plots)."""
+    """A small PNG: rendered at DPI, then reduced to a 256-colour palette (a third of the bytes for
+    line plots)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=DPI)
     plt.close(fig)
     Image.open(buffer).convert("RGB").quantize(256).save(path, optimize=True)
 
 
-# -- training -------------------------------------------------------------------------------------------
+# -- training --------------------------------------------------------------------------------------
 
 def loss_curve(log_path, png_path):
-    """The losses of a run's log.jsonl against the iteration: every training batch, and the evaluations of
-    the train and validation splits."""
+    """The losses of a run's log.jsonl against the iteration: every training batch, and the
+    evaluations of the train and validation splits."""
     rows = [json.loads(line) for line in open(log_path)]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, style, label in (("loss", "-", "training batches"), ("train_loss", "--", "train (evaluation)"),
-                              ("val_loss", "o-", "validation")):
+    curves = (("loss", "-", "training batches"), ("train_loss", "--", "train (evaluation)"),
+              ("val_loss", "o-", "validation"))
+    for key, style, label in curves:
         pts = [(r["iter"], r[key]) for r in rows if r.get(key) is not None]  # null: inf or NaN
         if pts:
             ax.plot(*zip(*pts), style, label=label, alpha=0.7 if key == "loss" else 1.0)
@@ -54,11 +57,12 @@ def loss_curve(log_path, png_path):
     plt.close(fig)
 
 
-# -- analysis: spectral dynamics (analyze.py --spectral) -----------------------------------------------
+# -- analysis: spectral dynamics (analyze.py --spectral) -------------------------------------------
 
 def spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
-    """Eigenvalues' real parts and magnitudes against t or layer, one colour per head. Sorted eigenvalues are
-    continuous in t, so each rank is drawn as a line; the forward grid's eigenvalues are marked with dots."""
+    """Eigenvalues' real parts and magnitudes against t or layer, one colour per head. Sorted
+    eigenvalues are continuous in t, so each rank is drawn as a line; the forward grid's eigenvalues
+    are marked with dots."""
     eig = eig if eig.ndim == 3 else eig[:, None]  # the FFN product: one "head"
     grid_eig = grid_eig if grid_eig.ndim == 3 else grid_eig[:, None]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -66,28 +70,30 @@ def spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
     for ax, part, label in ((axes[0], np.real, "real part"), (axes[1], np.abs, "magnitude")):
         for h in range(eig.shape[1]):
             values = np.sort(part(eig[:, h]), axis=-1)  # (T, k): each rank a continuous curve
-            ax.plot(x, values, color=colors(h % 10), lw=0.8, alpha=0.6, marker=None if grid_x is not None else "o",
-                    ms=2.5)
+            ax.plot(x, values, color=colors(h % 10), lw=0.8, alpha=0.6,
+                    marker=None if grid_x is not None else "o", ms=2.5)
             if grid_x is not None:
                 ax.plot(grid_x, part(grid_eig[:, h]), ".", color=colors(h % 10), ms=4)
-            ax.plot([], [], color=colors(h % 10), label=f"head {h}" if eig.shape[1] > 1 else "W1 W2")
+            ax.plot([], [], color=colors(h % 10),
+                    label=f"head {h}" if eig.shape[1] > 1 else "W1 W2")
         for g in grid_x if grid_x is not None else ():
             ax.axvline(g, color="0.85", lw=0.6, zorder=0)
         ax.set(xlabel=xlabel, ylabel=f"eigenvalue, {label}")
         ax.axhline(0, color="0.5", lw=0.6)
     axes[1].legend(fontsize=8, loc="upper left")
-    fig.suptitle(title + ("; dots and grey lines: the forward pass's t_k = (k+1)/N" if grid_x is not None else ""),
-                 fontsize=10)
+    grid_note = ("; dots and grey lines: the forward pass's t_k = (k+1)/N"
+                 if grid_x is not None else "")
+    fig.suptitle(title + grid_note, fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
     return path
 
 
-# -- analysis: clustering of particles (analyze.py --cluster) ------------------------------------------
+# -- analysis: clustering of particles (analyze.py --cluster) --------------------------------------
 
 def clusters(names, paths, t, counts, ccfg, path):
-    """The particle simulation: one 3-D panel of trajectories per weight schedule (names), and the number of
-    clusters against t for every schedule."""
+    """The particle simulation: one 3-D panel of trajectories per weight schedule (names), and the
+    number of clusters against t for every schedule."""
     fig = plt.figure(figsize=(12, 7.5))
     colors = plt.get_cmap("tab10")
     for i, (name, xs) in enumerate(zip(names, paths)):
@@ -103,23 +109,28 @@ def clusters(names, paths, t, counts, ccfg, path):
     ax = fig.add_subplot(2, 3, 6)
     for i, name in enumerate(names):
         ax.plot(t, counts[i], color=colors(i), label=name)
-    ax.set(xlabel="t", ylabel=f"clusters (cosine >= {ccfg.cluster_cos})", ylim=(0, ccfg.particles + 1))
+    ax.set(xlabel="t", ylabel=f"clusters (cosine >= {ccfg.cluster_cos})",
+           ylim=(0, ccfg.particles + 1))
     ax.legend(fontsize=8)
-    fig.suptitle(f"attention-only particles, weights f(t) (Q0, K0, V0), {ccfg.sim_steps} Euler steps, "
-                 f"{'projected onto the sphere' if ccfg.sphere else 'no projection'} (App. C.8)", fontsize=11)
+    fig.suptitle(f"attention-only particles, weights f(t) (Q0, K0, V0), "
+                 f"{ccfg.sim_steps} Euler steps, "
+                 f"{'projected onto the sphere' if ccfg.sphere else 'no projection'} (App. C.8)",
+                 fontsize=11)
     fig.tight_layout()
     save_figure(fig, path)
     return path
 
 
-# -- analysis: a prompt shaded token by token (analyze.py --lyapunov) ----------------------------------
+# -- analysis: a prompt shaded token by token (analyze.py --lyapunov) ------------------------------
 
 def shade(values, cmap):
-    """Colours (RGBA) for values on a colour map, darker = larger, and whether text on them should be white. The
-    scale spans the tokens before the last: the last one (the output position, whose exponents also hold the MLP's
-    and its own attention's share) would otherwise leave every other token pale; it is drawn at the scale's ends."""
+    """Colours (RGBA) for values on a colour map, darker = larger, and whether text on them should
+    be white. The scale spans the tokens before the last: the last one (the output position, whose
+    exponents also hold the MLP's and its own attention's share) would otherwise leave every other
+    token pale; it is drawn at the scale's ends."""
     lo, hi = scale_of(values)
-    rgba = plt.get_cmap(cmap)(np.clip((values - lo) / (hi - lo), 0, 1) if hi > lo else np.zeros_like(values))
+    scaled = np.clip((values - lo) / (hi - lo), 0, 1) if hi > lo else np.zeros_like(values)
+    rgba = plt.get_cmap(cmap)(scaled)
     return rgba, (rgba[:, :3] @ np.array([0.299, 0.587, 0.114])) < 0.5
 
 
@@ -133,7 +144,8 @@ def visible(token):
 
 
 def layout(tokens, width):
-    """(line, column) of each token in a monospace grid `width` characters wide; a newline token ends its line."""
+    """(line, column) of each token in a monospace grid `width` characters wide; a newline token
+    ends its line."""
     place, line, col = [], 0, 0
     for tok in tokens:
         n = len(visible(tok))
@@ -147,8 +159,9 @@ def layout(tokens, width):
 
 
 def shaded_text(tokens, rows, title, path, width=80):
-    """The prompt once per row of (label, values, colour map), each token on a background shaded by its value,
-    with a colour bar as legend; the last position (the one analysed) is outlined in red."""
+    """The prompt once per row of (label, values, colour map), each token on a background shaded by
+    its value, with a colour bar as legend; the last position (the one analysed) is outlined in
+    red."""
     place, lines = layout(tokens, width)
     width = max(col + len(visible(tok)) for tok, (_, col) in zip(tokens, place))
     char_w, line_h, pad = 0.0875, 0.24, 0.4  # inches: DejaVu Sans Mono at 10 pt advances 0.6 em
@@ -156,20 +169,23 @@ def shaded_text(tokens, rows, title, path, width=80):
     fig_w, fig_h = max(width * char_w + 2 * pad, 7.5), len(rows) * panel_h + 0.5
     fig = plt.figure(figsize=(fig_w, fig_h))
     for r, (label, values, cmap) in enumerate(rows):
-        top = fig_h - 0.5 - r * panel_h - 0.25  # inches from the bottom to the top of this row's text
-        ax = fig.add_axes((pad / fig_w, (top - lines * line_h) / fig_h, width * char_w / fig_w, lines * line_h / fig_h))
+        # inches from the bottom to the top of this row's text
+        top = fig_h - 0.5 - r * panel_h - 0.25
+        ax = fig.add_axes((pad / fig_w, (top - lines * line_h) / fig_h,
+                           width * char_w / fig_w, lines * line_h / fig_h))
         rgba, white = shade(values, cmap)
         for i, (tok, (line, col)) in enumerate(zip(tokens, place)):
             n = len(visible(tok))
             last = i == len(tokens) - 1
-            ax.add_patch(plt.Rectangle((col, line), n, 1, facecolor=rgba[i], edgecolor="red" if last else "none", lw=1.5))
-            ax.text(col + n / 2, line + 0.55, visible(tok), ha="center", va="center", family="monospace", fontsize=10,
-                    color="white" if white[i] else "black")
+            ax.add_patch(plt.Rectangle((col, line), n, 1, facecolor=rgba[i],
+                                       edgecolor="red" if last else "none", lw=1.5))
+            ax.text(col + n / 2, line + 0.55, visible(tok), ha="center", va="center",
+                    family="monospace", fontsize=10, color="white" if white[i] else "black")
         ax.set(xlim=(0, width), ylim=(lines, 0))
         ax.axis("off")
         ax.set_title(f"{label} (last token: {values[-1]:.3g})", fontsize=9, loc="left")
-        cax = fig.add_axes((pad / fig_w, (top - lines * line_h - 0.35) / fig_h, min(3.0, fig_w - 2 * pad) / fig_w,
-                            0.12 / fig_h))
+        cax = fig.add_axes((pad / fig_w, (top - lines * line_h - 0.35) / fig_h,
+                            min(3.0, fig_w - 2 * pad) / fig_w, 0.12 / fig_h))
         bar = plt.cm.ScalarMappable(plt.Normalize(*scale_of(values)), cmap)
         fig.colorbar(bar, cax=cax, orientation="horizontal")
         cax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
@@ -184,43 +200,50 @@ def shaded_html(tokens, rows, title, path):
     parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
              "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}"
              ".t{font-family:monospace;white-space:pre-wrap;line-height:1.8;font-size:15px}"
-             ".bar{display:inline-block;width:16em;height:0.9em;vertical-align:middle;margin:0 0.5em}</style>",
+             ".bar{display:inline-block;width:16em;height:0.9em;vertical-align:middle;"
+             "margin:0 0.5em}</style>",
              f"<h2>{html.escape(title)}</h2>"]
     for label, values, cmap in rows:
         rgba, white = shade(values, cmap)
         lo, hi = scale_of(values)
-        stops = ", ".join(matplotlib.colors.to_hex(c) for c in plt.get_cmap(cmap)(np.linspace(0, 1, 8)))
-        parts.append(f"<h3>{html.escape(label)} (last token: {values[-1]:.4g})</h3><p>{lo:.4g}<span class='bar' "
-                     f"style='background:linear-gradient(to right, {stops})'></span>{hi:.4g} (darker = larger)</p>"
+        stops = ", ".join(matplotlib.colors.to_hex(c)
+                          for c in plt.get_cmap(cmap)(np.linspace(0, 1, 8)))
+        parts.append(f"<h3>{html.escape(label)} (last token: {values[-1]:.4g})</h3>"
+                     f"<p>{lo:.4g}<span class='bar' "
+                     f"style='background:linear-gradient(to right, {stops})'></span>"
+                     f"{hi:.4g} (darker = larger)</p>"
                      f"<div class='t'>")
         for i, tok in enumerate(tokens):
             outline = ";outline:2px solid red" if i == len(tokens) - 1 else ""
-            parts.append(f"<span title='{values[i]:.4g}' style='background:{matplotlib.colors.to_hex(rgba[i])};"
-                         f"color:{'white' if white[i] else 'black'}{outline}'>{html.escape(tok)}</span>")
+            background = matplotlib.colors.to_hex(rgba[i])
+            parts.append(f"<span title='{values[i]:.4g}' style='background:{background};"
+                         f"color:{'white' if white[i] else 'black'}{outline}'>"
+                         f"{html.escape(tok)}</span>")
         parts.append("</div>")
     with open(path, "w", encoding="utf-8") as f:
         f.write("".join(parts) + "\n")
     return path
 
 
-# -- experiments ----------------------------------------------------------------------------------------
+# -- experiments -----------------------------------------------------------------------------------
 
 def depth(results, trained, png_path):
-    """Validation loss of one ODE checkpoint against the solver's step count and against the vector-field
-    evaluations (the compute), one line per solver, dopri5's tolerances as stars (right panel only); results
-    are experiments/depth.py's rows."""
+    """Validation loss of one ODE checkpoint against the solver's step count and against the
+    vector-field evaluations (the compute), one line per solver, dopri5's tolerances as stars (right
+    panel only); results are experiments/depth.py's rows."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for solver in dict.fromkeys(r["solver"] for r in results if r["steps"] is not None):
         rows = [r for r in results if r["solver"] == solver]
         axes[0].plot([r["steps"] for r in rows], [r["val_loss"] for r in rows], "o-", label=solver)
-        axes[1].plot([r["evaluations"] for r in rows], [r["val_loss"] for r in rows], "o-", label=solver)
+        axes[1].plot([r["evaluations"] for r in rows], [r["val_loss"] for r in rows], "o-",
+                     label=solver)
     adaptive = [r for r in results if r["steps"] is None]  # dopri5 at its tolerances: no step count
     if adaptive:
-        axes[1].plot([r["evaluations"] for r in adaptive], [r["val_loss"] for r in adaptive], "k*", ms=10,
-                     label="dopri5 (tolerance marked)")
+        axes[1].plot([r["evaluations"] for r in adaptive], [r["val_loss"] for r in adaptive], "k*",
+                     ms=10, label="dopri5 (tolerance marked)")
         for r in adaptive:
-            axes[1].annotate(f"{r['tol']:g}", (r["evaluations"], r["val_loss"]), textcoords="offset points",
-                             xytext=(4, 4), fontsize=8)
+            axes[1].annotate(f"{r['tol']:g}", (r["evaluations"], r["val_loss"]),
+                             textcoords="offset points", xytext=(4, 4), fontsize=8)
         axes[1].legend()
     for ax, label in zip(axes, ("solver steps N", "vector-field evaluations (compute)")):
         ax.set_xscale("log", base=2)
@@ -235,9 +258,10 @@ def depth(results, trained, png_path):
 
 
 def eval_bars(labels, tables, path):
-    """Downstream results of a few checkpoints: each metric in a panel of its own, a group of bars per task, one
-    bar per checkpoint (labels) with its standard error. tables: per checkpoint, rows of (task, metric, n-shot,
-    value, stderr or None), as experiments/eval.py's metric_rows gives them."""
+    """Downstream results of a few checkpoints: each metric in a panel of its own, a group of bars
+    per task, one bar per checkpoint (labels) with its standard error. tables: per checkpoint, rows
+    of (task, metric, n-shot, value, stderr or None), as experiments/eval.py's metric_rows gives
+    them."""
     metrics = list(dict.fromkeys(metric for _, metric, *_ in tables[0]))
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1, 3.4), squeeze=False)
     width = 0.8 / len(labels)
@@ -245,8 +269,8 @@ def eval_bars(labels, tables, path):
         for j, (label, rows) in enumerate(zip(labels, tables)):
             rows = [row for row in rows if row[1] == metric]
             x = np.arange(len(rows)) + (j - (len(labels) - 1) / 2) * width
-            ax.bar(x, [v for *_, v, _ in rows], width, yerr=[s or 0 for *_, s in rows], capsize=3, label=label,
-                   color=f"C{j}")
+            ax.bar(x, [v for *_, v, _ in rows], width, yerr=[s or 0 for *_, s in rows], capsize=3,
+                   label=label, color=f"C{j}")
         ax.set_xticks(np.arange(len(rows)), [task for task, *_ in rows], rotation=20, ha="right")
         ax.set_title(metric)
         ax.grid(axis="y", alpha=0.3)

@@ -1,12 +1,13 @@
 """
 Turn text into token-id memmaps (nanoGPT's train.bin / val.bin) plus a meta.json.
 
-    python prepare.py                                             # tiny Shakespeare (shipped in data/), bytes
-    python prepare.py --dataset=wikitext2_test                    # WikiText-2 test/valid (shipped in data/)
-    python prepare.py --dataset=shakespeare_wikitext              # both, each's last 10% held out
-    python prepare.py --dataset=openwebtext --tokenizer=gpt2      # nanoGPT's OpenWebText recipe (download)
-    python prepare.py --dataset=wikitext103 --tokenizer=gpt2      # download
-    python prepare.py --dataset=mytext --input_file=a.txt,b.txt   # any local text, last 10% held out
+    python prepare.py                            # tiny Shakespeare (shipped in data/), bytes
+    python prepare.py --dataset=wikitext2_test   # WikiText-2 test/valid (shipped in data/)
+    python prepare.py --dataset=shakespeare_wikitext             # both, each's last 10% held out
+    python prepare.py --dataset=openwebtext --tokenizer=gpt2     # nanoGPT's OpenWebText recipe
+                                                                 # (download)
+    python prepare.py --dataset=wikitext103 --tokenizer=gpt2     # download
+    python prepare.py --dataset=mytext --input_file=a.txt,b.txt  # any local text, last 10% held out
     python prepare.py --dataset=mytext --input_file=train.txt --val_file=valid.txt
 
 The data lands in data/<dataset>_<tokenizer>/. Shipped with the repository (data/README.md):
@@ -30,7 +31,8 @@ from configurator import UserError, make_dir, parse_config, run_main
 
 SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
-SHIPPED = {  # corpora in the repository's data/ folder (data/README.md): name: (training text, validation text)
+# corpora in the repository's data/ folder (data/README.md): name: (training text, validation text)
+SHIPPED = {
     "shakespeare": ("tinyshakespeare/input.txt", ""),  # "": the last 10% is held out
     "wikitext2_test": ("wikitext-2/test.txt", "wikitext-2/valid.txt"),
     "shakespeare_wikitext": (("tinyshakespeare/input.txt", "wikitext-2/test.txt"), ""),  # 10% each
@@ -55,14 +57,16 @@ def download_error(what, error, offline):
 
 
 class Tokenizer:
-    """Text <-> token ids: "byte" (the UTF-8 bytes, 256 ids) or a tiktoken encoding such as "gpt2"."""
+    """Text <-> token ids: "byte" (the UTF-8 bytes, 256 ids) or a tiktoken encoding such as
+    "gpt2"."""
 
     def __init__(self, name, enc=None):
         self.name, self.enc = name, enc
         self.vocab_size = enc.n_vocab if enc else 256
         self.eot = enc.eot_token if enc else None  # appended to each document of a corpus
 
-    def __reduce__(self):  # pickle by name: cheap to send to worker processes and for datasets to hash
+    # pickle by name: cheap to send to worker processes and for datasets to hash
+    def __reduce__(self):
         return get_tokenizer, (self.name,)
 
     def encode(self, text):
@@ -78,11 +82,14 @@ def get_tokenizer(name):
     if name == "byte":
         return Tokenizer(name)
     if name not in tiktoken.list_encoding_names():
-        raise UserError(f"unknown tokenizer {name!r}; use 'byte' or a tiktoken encoding: {', '.join(tiktoken.list_encoding_names())}")
+        raise UserError(f"unknown tokenizer {name!r}; use 'byte' or a tiktoken encoding: "
+                        f"{', '.join(tiktoken.list_encoding_names())}")
     try:
         return Tokenizer(name, tiktoken.get_encoding(name))
     except OSError as e:  # tiktoken downloads each encoding once, into TIKTOKEN_CACHE_DIR
-        raise download_error(f"the {name} tokenizer", e, "set TIKTOKEN_CACHE_DIR to a folder holding its cached files, or use --tokenizer=byte") from e
+        raise download_error(f"the {name} tokenizer", e,
+                             "set TIKTOKEN_CACHE_DIR to a folder holding its cached files, "
+                             "or use --tokenizer=byte") from e
 
 
 def token_dtype(vocab_size):
@@ -113,12 +120,14 @@ def load_hf(dataset, **kwargs):
     """A Hugging Face dataset, downloaded once and cached by `datasets`. Without a network, only the
     cache is tried (offline mode), and a miss is one line, not a traceback after retries."""
     if not hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # read before `datasets` is imported
+        # read before `datasets` is imported
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     from datasets import load_dataset  # slow to import, and only needed here
     try:
         return load_dataset(*HF_DATASETS[dataset][0], **kwargs)
     except Exception as e:
-        raise download_error(f"{dataset} from Hugging Face", e, "point the same command at local text: "
+        raise download_error(f"{dataset} from Hugging Face", e,
+                             "point the same command at local text: "
                              "--input_file=train.txt [--val_file=val.txt]") from e
 
 
@@ -130,7 +139,9 @@ def read_files(paths):
             with open(path, encoding="utf-8", newline="") as f:
                 texts.append(f.read())
         except UnicodeDecodeError as e:
-            raise UserError(f"input file {path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+            bad_byte = e.object[e.start:e.start + 1]
+            raise UserError(f"input file {path} is not UTF-8 text "
+                            f"(byte {e.start} is {bad_byte!r}); "
                             f"convert it first, e.g. iconv -f latin1 -t utf-8") from e
     return "\n".join(texts)
 
@@ -140,7 +151,8 @@ def file_source(paths):
     for path in paths:
         if not os.path.isfile(path):
             raise UserError(f"input file {path} does not exist")
-    return ", ".join(f"{os.path.abspath(p)} ({os.path.getsize(p)} bytes, mtime {os.stat(p).st_mtime_ns})" for p in paths)
+    return ", ".join(f"{os.path.abspath(p)} "
+                     f"({os.path.getsize(p)} bytes, mtime {os.stat(p).st_mtime_ns})" for p in paths)
 
 
 def split_90_10(text):
@@ -165,7 +177,8 @@ def load_text(dataset, paths, val_file, split_each=False):
 def tokenize_openwebtext(tok, num_proc):
     """nanoGPT's recipe: hold out 0.05% of the documents and tokenise each one with the end-of-text
     token appended. Returns {"train": Dataset, "val": Dataset}, with columns "ids" and "len"."""
-    split = load_hf("openwebtext", num_proc=num_proc)["train"].train_test_split(test_size=0.0005, seed=2357, shuffle=True)
+    documents = load_hf("openwebtext", num_proc=num_proc)["train"]
+    split = documents.train_test_split(test_size=0.0005, seed=2357, shuffle=True)
     split["val"] = split.pop("test")
     eot = [] if tok.eot is None else [tok.eot]
 
@@ -173,7 +186,8 @@ def tokenize_openwebtext(tok, num_proc):
         ids = tok.encode(example["text"]) + eot
         return {"ids": ids, "len": len(ids)}
 
-    return split.map(process, remove_columns=["text"], desc="tokenizing the splits", num_proc=num_proc)
+    return split.map(process, remove_columns=["text"], desc="tokenizing the splits",
+                     num_proc=num_proc)
 
 
 def write_shards(dset, path, vocab_size):
@@ -183,7 +197,8 @@ def write_shards(dset, path, vocab_size):
     arr = np.memmap(path + ".tmp", dtype=token_dtype(vocab_size), mode="w+", shape=(n,))
     total_batches, idx = min(1024, len(dset)), 0
     for i in tqdm(range(total_batches), desc=f"writing {path}"):
-        batch = np.concatenate(dset.shard(num_shards=total_batches, index=i, contiguous=True).with_format("numpy")["ids"])
+        shard = dset.shard(num_shards=total_batches, index=i, contiguous=True)
+        batch = np.concatenate(shard.with_format("numpy")["ids"])
         arr[idx : idx + len(batch)] = batch
         idx += len(batch)
     arr.flush()
@@ -198,7 +213,8 @@ def data_dir_of(data_root, dataset, tokenizer):
 
 
 def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8):
-    """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their directory."""
+    """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their
+    directory."""
     data_dir = data_dir_of(data_root, dataset, tokenizer)
     paths = [p.strip() for p in input_file.split(",") if p.strip()]
     if not paths and val_file:
@@ -215,23 +231,27 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     elif dataset in HF_DATASETS:
         source = "huggingface: " + " ".join(HF_DATASETS[dataset][0])
     else:
-        raise UserError(f"unknown dataset {dataset!r}; shipped in data/: {', '.join(SHIPPED)}; downloadable: "
-                        f"{', '.join(HF_DATASETS)}; any name works with --input_file=a.txt[,b.txt]")
+        raise UserError(f"unknown dataset {dataset!r}; shipped in data/: {', '.join(SHIPPED)}; "
+                        f"downloadable: {', '.join(HF_DATASETS)}; "
+                        f"any name works with --input_file=a.txt[,b.txt]")
     meta_path = os.path.join(data_dir, "meta.json")
     if os.path.isfile(meta_path):
         old = load_meta(data_dir)
         if old["source"] == source and old["tokenizer"] == tokenizer:
-            print(f"{data_dir} already holds {dataset} as {tokenizer} tokens from the same source; reusing it")
+            print(f"{data_dir} already holds {dataset} as {tokenizer} tokens "
+                  f"from the same source; reusing it")
             return data_dir
 
     make_dir(data_root, "data_root")  # a file in the way, or read-only: one line, before any work
     tok = get_tokenizer(tokenizer)
-    corpus = dataset == "openwebtext" and not paths  # tokenised document by document, written in shards
+    # tokenised document by document, written in shards
+    corpus = dataset == "openwebtext" and not paths
     texts = None if corpus else load_text(dataset, paths, val_file, split_each)
     splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), texts))
     os.makedirs(data_dir, exist_ok=True)
     if os.path.isfile(meta_path):
-        os.remove(meta_path)  # the .bin files are about to change: a stale meta must not describe them
+        # the .bin files are about to change: a stale meta must not describe them
+        os.remove(meta_path)
     counts = {}
     for split, data in splits.items():
         path = os.path.join(data_dir, f"{split}.bin")
@@ -255,19 +275,22 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
-        raise UserError(f"{path} does not exist; prepare the data first, e.g. python prepare.py --dataset=shakespeare")
+        raise UserError(f"{path} does not exist; prepare the data first, "
+                        f"e.g. python prepare.py --dataset=shakespeare")
     with open(path) as f:
         return json.load(f)
 
 
 def load_tokens(data_dir, split):
     """The token ids of a split ("train" or "val") as a read-only memmap."""
-    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=load_meta(data_dir)["dtype"], mode="r")
+    dtype = load_meta(data_dir)["dtype"]
+    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=dtype, mode="r")
 
 
 @dataclasses.dataclass
 class PrepareConfig:
-    dataset: str = "shakespeare"  # shakespeare, wikitext2, wikitext103, openwebtext, or any name with input_file
+    dataset: str = "shakespeare"  # shakespeare, wikitext2, wikitext103, openwebtext,
+                                  # or any name with input_file
     tokenizer: str = "byte"  # "byte" or a tiktoken encoding ("gpt2")
     input_file: str = ""  # local text: one path or several comma-separated ones
     val_file: str = ""  # local validation text; without it the last 10% of input_file is held out

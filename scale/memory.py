@@ -17,94 +17,123 @@ from scale.parallel import fsdp_units
 
 
 def generated_numel(model):
-    """Entries of the weights generated for one stage time (what one evaluation of F multiplies with)."""
+    """Entries of the weights generated for one stage time (what one evaluation of F multiplies
+    with)."""
     return sum(math.prod(m.shape) + (m.shape[0] if m.C_W is not None else 0)
-               if isinstance(m, TimeDependentLinear) else m.G.size(0) + (m.H.size(0) if m.H is not None else 0)
-               for m in model.hyper.children() if isinstance(m, (TimeDependentLinear, TimeDependentNorm)))
+               if isinstance(m, TimeDependentLinear)
+               else m.G.size(0) + (m.H.size(0) if m.H is not None else 0)
+               for m in model.hyper.children()
+               if isinstance(m, (TimeDependentLinear, TimeDependentNorm)))
 
 
 def activation_bytes(mcfg, dtype, device_type):
-    """Bytes that autograd keeps per token for one evaluation of the block (one solver stage or layer),
-    term by term; on CPU in fp32 a saved-tensors hook counts GPT 15 C and Llama 27 C values. The residual
-    stream stays fp32 under autocast (the embeddings are fp32), and so does each RMSNorm's x / rms(x)."""
+    """Bytes that autograd keeps per token for one evaluation of the block (one solver stage or
+    layer), term by term; on CPU in fp32 a saved-tensors hook counts GPT 15 C and Llama 27 C values.
+    The residual stream stays fp32 under autocast (the embeddings are fp32), and so does each
+    RMSNorm's x / rms(x)."""
     b, r, C, H = dtype.itemsize, 4, mcfg.n_embd, mcfg.ffn_dim
-    n = r * C + 4 * mcfg.n_head  # the state X_k (both norms read it), the attention's fp32 log-sum-exp
+    # the state X_k (both norms read it), the attention's fp32 log-sum-exp
+    n = r * C + 4 * mcfg.n_head
     if mcfg.flavor == "llama":
-        n += 2 * r * C + b * (2 * C + 3 * C + 2 * C + C + 4 * H)  # x / rms(x) twice; the normed inputs, q k v,
-        # the rotated q and k, the attention output (= the projection's input); SwiGLU's gate, silu, up, product
+        # x / rms(x) twice; the normed inputs, q k v, the rotated q and k, the attention output
+        # (= the projection's input); SwiGLU's gate, silu, up, product
+        n += 2 * r * C + b * (2 * C + 3 * C + 2 * C + C + 4 * H)
     else:
-        n += b * (2 * C + 3 * C + C + 2 * H)  # the normed inputs, q k v, the attention output; fc and GELU outputs
+        # the normed inputs, q k v, the attention output; fc and GELU outputs
+        n += b * (2 * C + 3 * C + C + 2 * H)
     if mcfg.model_type == "baseline":
         n += r * C  # the sequential block's state between attention and MLP
-    if mcfg.dropout > 0:  # masks after attention and MLP: bool on CUDA, float on CPU, where a baseline's
-        n += 2 * C * (1 if device_type == "cuda" else 4)  # attention-probability dropout has no fused kernel
-        if device_type != "cuda" and mcfg.model_type == "baseline":  # and keeps three (T, T) matrices per
-            n += 4 * (3 * mcfg.n_head * mcfg.block_size + 3 * C)  # head and copies of q, k, v
+    # masks after attention and MLP: bool on CUDA, float on CPU, where a baseline's
+    # attention-probability dropout has no fused kernel and keeps three (T, T) matrices per head and
+    # copies of q, k, v
+    if mcfg.dropout > 0:
+        n += 2 * C * (1 if device_type == "cuda" else 4)
+        if device_type != "cuda" and mcfg.model_type == "baseline":
+            n += 4 * (3 * mcfg.n_head * mcfg.block_size + 3 * C)
     return n
 
 
 def runtime_overhead(device_type):
-    """What a process holds besides tensors: on CPU, measured (bench_scale.py --what=memory: a tiny model's
-    peak RSS rise, 2 gloo processes); on CUDA an allowance, not measured here, for the CUDA context, NCCL's
-    buffers and the caching allocator's fragmentation."""
+    """What a process holds besides tensors: on CPU, measured (bench_scale.py --what=memory: a tiny
+    model's peak RSS rise, 2 gloo processes); on CUDA an allowance, not measured here, for the CUDA
+    context, NCCL's buffers and the caching allocator's fragmentation."""
     if device_type == "cuda":
         return {"CUDA context, NCCL buffers, allocator fragmentation (an allowance)": 3 * 2 ** 30}
     return {"process group, kernels' workspaces, Python (measured on CPU)": 70 * 2 ** 20}
 
 
 def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda"):
-    """Estimated peak bytes per process, by part: ("phase", {part: bytes}). The peak is the larger of two
-    moments: the start of the last micro-step's backward (activations, logits and everything held
-    across micro-steps), and, for weights generated once per step, their pull-back into the
-    hypernetwork (every gradient and dL/dW at once). fp32 parameters, gradients and AdamW state; compute
-    in `dtype` (bf16 under autocast and FSDP2's MixedPrecisionPolicy on CUDA; fp32 on CPU)."""
+    """Estimated peak bytes per process, by part: ("phase", {part: bytes}). The peak is the larger
+    of two moments: the start of the last micro-step's backward (activations, logits and everything
+    held across micro-steps), and, for weights generated once per step, their pull-back into the
+    hypernetwork (every gradient and dL/dW at once). fp32 parameters, gradients and AdamW state;
+    compute in `dtype` (bf16 under autocast and FSDP2's MixedPrecisionPolicy on CUDA; fp32 on
+    CPU)."""
     b = dtype.itemsize  # compute
     P = model.num_params()
     diffeq = mcfg.model_type == "diffeq"
     hyper = sum(p.numel() for p in model.hyper.parameters()) if diffeq else 0
     units = [sum(p.numel() for p in u.parameters()) for u in fsdp_units(model)]
-    root = P - sum(units)  # embeddings, final norm, head: FSDP2's root unit, DDP's whole model but for hyper
+    # embeddings, final norm, head: FSDP2's root unit, DDP's whole model but for hyper
+    root = P - sum(units)
     sharded = cfg.parallel == "fsdp" and world > 1
     ddp = cfg.parallel == "ddp" and world > 1
     share = world if sharded else 1
     once = diffeq and cfg.generate_once
     accum = -(-cfg.gradient_accumulation_steps // world)  # micro-steps per process
-    steps = int(cfg.train_steps.split("-")[-1]) if cfg.train_steps and mcfg.is_ode else mcfg.n_layer  # most drawn
+    # the most steps drawn
+    steps = int(cfg.train_steps.split("-")[-1]) if cfg.train_steps and mcfg.is_ode else mcfg.n_layer
     evals = steps * len(SOLVERS[mcfg.solver])
     B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
     generated = generated_numel(model) * evals if diffeq else 0  # entries of W(t_k) for every k
     autocast = dtype != torch.float32
-    unit_bytes = b if sharded and autocast else 4  # FSDP2 gathers the units in bf16 under the policy
+    # FSDP2 gathers the units in bf16 under the policy
+    unit_bytes = b if sharded and autocast else 4
 
     per_eval = activation_bytes(mcfg, dtype, device_type) * B * T
-    if mcfg.checkpoint:  # every evaluation keeps its input; one is recomputed at a time in the backward
+    # every evaluation keeps its input; one is recomputed at a time in the backward
+    if mcfg.checkpoint:
         activations = 4 * C * B * T * evals + per_eval
         what = "activations: each step's input (checkpoint=True), one step recomputed"
     else:
         activations = per_eval * evals
         what = f"activations ({per_eval / (B * T * C):.0f} B per token, width and step)"
-    activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C  # X(1), the final norm, its output
+    # X(1), the final norm, its output
+    activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C
     if mcfg.flavor == "llama" and diffeq:
-        activations += b * 3 * C * C * evals  # the fused q, k, v weight, one copy per step and micro-step
+        # the fused q, k, v weight, one copy per step and micro-step
+        activations += b * 3 * C * C * evals
 
+    compute = str(dtype).removeprefix("torch.")
+    sharded_ways = f", sharded {world} ways" if sharded else ""
+    gradients = ("gradients (4 B per parameter; the hypernetwork's come after the last micro-step)"
+                 if once else "gradients (4 B per parameter)")
+    unit_gradients = ("FSDP2 units: unsharded fp32 gradients kept while gradient sync is off"
+                      if accum > 1 else "FSDP2 units: one unsharded gradient")
+    generated_weights = (f"generated weights W(t_k), {compute}, all-gathered once per step"
+                         if sharded else "generated weights W(t_k), once per step")
     backward = {
-        f"parameters and AdamW state (12 B per parameter{f', sharded {world} ways' if sharded else ''})": 12 * P / share,
-        # FSDP2's sharded gradients appear only at the last micro-step's reduce-scatter; the unsharded ones are
-        # kept from the first micro-step on (gradient sync off), for every unit that ran
-        "gradients (4 B per parameter; the hypernetwork's come after the last micro-step)" if once else
-        "gradients (4 B per parameter)": 4 * (P - hyper if once else P) if not sharded else 0,
+        f"parameters and AdamW state (12 B per parameter{sharded_ways})": 12 * P / share,
+        # FSDP2's sharded gradients appear only at the last micro-step's reduce-scatter; the
+        # unsharded ones are kept from the first micro-step on (gradient sync off), for every unit
+        # that ran
+        gradients: 4 * (P - hyper if once else P) if not sharded else 0,
         "FSDP2 root gathered (fp32) with its unsharded gradients": 8 * root if sharded else 0,
-        f"FSDP2 units: two layers gathered ({unit_bytes} B/param)":  # the ODE's run before and after the step loop
+        # the ODE's run before and after the step loop
+        f"FSDP2 units: two layers gathered ({unit_bytes} B/param)":
             2 * unit_bytes * max(units, default=0) if sharded and not diffeq else 0,
-        "FSDP2 units: unsharded fp32 gradients kept while gradient sync is off" if accum > 1 else
-        "FSDP2 units: one unsharded gradient": 4 * (sum(units) if accum > 1 else max(units, default=0)) if sharded and not once else 0,
-        "DDP's gradient buckets (4 B per replicated parameter)": 4 * (P - hyper if once else P) if ddp else 0,
-        f"autocast's {str(dtype).removeprefix('torch.')} copies of fp32 weights, kept for the backward":
-            2 * ((hyper if diffeq and not once else sum(units)) if not sharded else 0) + 2 * V * C if autocast else 0,
-        f"generated weights W(t_k), {str(dtype).removeprefix('torch.')}, all-gathered once per step" if sharded else
-        "generated weights W(t_k), once per step": b * generated + (4 * generated / share if sharded or autocast else 0) if once else 0,
+        unit_gradients:
+            4 * (sum(units) if accum > 1 else max(units, default=0)) if sharded and not once else 0,
+        "DDP's gradient buckets (4 B per replicated parameter)":
+            4 * (P - hyper if once else P) if ddp else 0,
+        f"autocast's {compute} copies of fp32 weights, kept for the backward":
+            2 * ((hyper if diffeq and not once else sum(units)) if not sharded else 0) + 2 * V * C
+            if autocast else 0,
+        generated_weights:
+            b * generated + (4 * generated / share if sharded or autocast else 0) if once else 0,
         "dL/dW(t_k), accumulated in fp32 over the micro-steps": 4 * generated if once else 0,
-        "generated weights and their gradients, in every micro-step": 2 * b * generated if diffeq and not once else 0,
+        "generated weights and their gradients, in every micro-step":
+            2 * b * generated if diffeq and not once else 0,
         what: activations,
         "logits: log-softmax output and two gradients (fp32)": 12 * B * T * V,
         **runtime_overhead(device_type),
@@ -113,7 +142,8 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
         return "the last micro-step's backward", backward
     pullback = {
         "parameters, gradients and AdamW state (16 B per parameter)": 16 * P / share,
-        "dL/dW(t_k) (fp32), and this process's generated columns": 4 * generated + 4 * generated / share * (1 + sharded),
+        "dL/dW(t_k) (fp32), and this process's generated columns":
+            4 * generated + 4 * generated / share * (1 + sharded),
         **runtime_overhead(device_type),
     }
     if sum(pullback.values()) > sum(backward.values()):
@@ -122,8 +152,8 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
 
 
 def dry_run(mcfg, cfg, world, dtype=None, device_type="cuda", verbose=True):
-    """Print the plan (verbose) and refuse one that does not fit in gpu_memory_gb. dtype: the compute
-    dtype (default: cfg.dtype, with "auto" meaning a GPU's bf16)."""
+    """Print the plan (verbose) and refuse one that does not fit in gpu_memory_gb. dtype: the
+    compute dtype (default: cfg.dtype, with "auto" meaning a GPU's bf16)."""
     with torch.device("meta"):
         model = DiffEqFormer(mcfg)
     world = cfg.gpus or world
@@ -133,9 +163,11 @@ def dry_run(mcfg, cfg, world, dtype=None, device_type="cuda", verbose=True):
     if verbose:
         print_plan(model, phase, plan, total, mcfg, cfg, world, dtype)
     if total > cfg.gpu_memory_gb:
-        where = "GPU" if device_type == "cuda" else "process (the machine's RAM shared by its processes)"
+        where = ("GPU" if device_type == "cuda"
+                 else "process (the machine's RAM shared by its processes)")
+        remedy = advice(model, mcfg, cfg, world, dtype, device_type)
         raise ConfigError(f"this plan needs ~{total:.0f} GiB per {where} and does not fit in "
-                          f"{cfg.gpu_memory_gb:.3g} GiB; {advice(model, mcfg, cfg, world, dtype, device_type)}")
+                          f"{cfg.gpu_memory_gb:.3g} GiB; {remedy}")
     return plan
 
 
@@ -156,9 +188,11 @@ def print_plan(model, phase, plan, total, mcfg, cfg, world, dtype):
     mode = f"{cfg.parallel.upper()} over {world} GPU{'s' * (world > 1)}"
     print(f"model: {mcfg.model_type} ({mcfg.flavor}), {model.num_params() / 1e6:,.1f}M parameters, "
           f"{mcfg.n_layer} steps, d_t={mcfg.d_t}")
-    print(f"tokens per iteration: {cfg.batch_size * cfg.gradient_accumulation_steps * mcfg.block_size:,} "
-          f"({cfg.batch_size} sequences x {cfg.gradient_accumulation_steps} micro-steps x {mcfg.block_size} tokens)")
-    print(f"estimated memory per GPU with {mode}, {str(dtype).removeprefix('torch.')} compute, at its peak, {phase}:")
+    accum = cfg.gradient_accumulation_steps
+    print(f"tokens per iteration: {cfg.batch_size * accum * mcfg.block_size:,} "
+          f"({cfg.batch_size} sequences x {accum} micro-steps x {mcfg.block_size} tokens)")
+    print(f"estimated memory per GPU with {mode}, {str(dtype).removeprefix('torch.')} compute, "
+          f"at its peak, {phase}:")
     for part, b in plan.items():
         if b:
             print(f"  {b / 2 ** 30:8.1f} GiB  {part}")
@@ -179,4 +213,5 @@ def device_memory_gib(env):
 def check(mcfg, cfg, env):
     """Refuse, before the model is built, a plan that does not fit in this machine's memory."""
     fitted = dataclasses.replace(cfg, gpu_memory_gb=device_memory_gib(env), gpus=env.world_size)
-    dry_run(mcfg, fitted, env.world_size, dtype=env.dtype, device_type=env.device.type, verbose=False)
+    dry_run(mcfg, fitted, env.world_size, dtype=env.dtype, device_type=env.device.type,
+            verbose=False)

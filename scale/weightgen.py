@@ -3,22 +3,22 @@ The ODE's weights once per optimizer step, generated where the hypernetwork is s
 
 On one process and under DDP, train.train_step does this in a few visible lines (METHOD 8): one
 hypernetwork call, detached leaves that collect dL/dW over the micro-steps, one backward into the
-hypernetwork (under DDP, dL/dW is all-reduced first: as many bytes as a GPT's gradients). Under FSDP2
-the hypernetwork's parameters are sharded, and gathering them (6.5B for the ODE Llama-1B) is what
-sharding avoids. This file does the same steps without gathering A_W:
+hypernetwork (under DDP, dL/dW is all-reduced first: as many bytes as a GPT's gradients). Under
+FSDP2 the hypernetwork's parameters are sharded, and gathering them (6.5B for the ODE Llama-1B) is
+what sharding avoids. This file does the same steps without gathering A_W:
 
-    gen.generate(steps)                                  # W(t_k) for every stage time t_k, as leaves
+    gen.generate(steps)                    # W(t_k) for every stage time t_k, as leaves
     for x, y in micro_batches:
         _, loss = model(x, y, weights=gen.weights())
-        (loss / accum).backward()                        # dL/dW(t_k) += ..., kept in float32
-    gen.backward()                                       # dL/dtheta = (dW/dtheta)^T dL/dW, once
+        (loss / accum).backward()          # dL/dW(t_k) += ..., kept in float32
+    gen.backward()                         # dL/dtheta = (dW/dtheta)^T dL/dW, once
 
-FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first dimension, which is the flat index of
-W's entries: the process holding rows [a, b) of them generates columns [a, b) of the flat W(t)
+FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first dimension, which is the flat index
+of W's entries: the process holding rows [a, b) of them generates columns [a, b) of the flat W(t)
 (T, out*in), for every time, from its own shard. Those columns are all-gathered in the compute dtype
-(bf16 on CUDA), dL/dW is reduce-scattered back to them in float32, and the pull-back into A_W and B_W
-is local. Biases (C_W) and norm gains (G, H) go the same way. The small time MLPs (d_t x (2S+1) and
-d_t x d_t per weight) are all-gathered, and their gradients, to which every column contributes,
+(bf16 on CUDA), dL/dW is reduce-scattered back to them in float32, and the pull-back into A_W and
+B_W is local. Biases (C_W) and norm gains (G, H) go the same way. The small time MLPs (d_t x (2S+1)
+and d_t x d_t per weight) are all-gathered, and their gradients, to which every column contributes,
 reduce-scattered. The collectives are DTensor redistributions. Unsharded, the class does what
 train_step does (the tests compare the two).
 """
@@ -31,17 +31,19 @@ from model import TimeDependentLinear, TimeDependentNorm
 
 
 class WeightGenerator:
-    """Drives the hypernetwork of `model` (the raw module: alone, under DDP, or FSDP2-sharded) from outside
-    its forward pass. dtype: the compute dtype, in which the weights are all-gathered and used; dL/dW is
-    accumulated in the parameters' dtype."""
+    """Drives the hypernetwork of `model` (the raw module: alone, under DDP, or FSDP2-sharded) from
+    outside its forward pass. dtype: the compute dtype, in which the weights are all-gathered and
+    used; dL/dW is accumulated in the parameters' dtype."""
 
     def __init__(self, model, dtype=None):
         self.model, self.hyper = model, model.hyper
-        self.units = {name: m for name, m in self.hyper.named_children() if isinstance(m, (TimeDependentLinear, TimeDependentNorm))}
+        self.units = {name: m for name, m in self.hyper.named_children()
+                      if isinstance(m, (TimeDependentLinear, TimeDependentNorm))}
         param = self.hyper.ln_1.G
         self.sharded = isinstance(param, DTensor)
         self.mesh = param.device_mesh if self.sharded else None
-        self.world = self.mesh.size() if self.sharded else dist.get_world_size() if dist.is_initialized() else 1
+        self.world = (self.mesh.size() if self.sharded
+                      else dist.get_world_size() if dist.is_initialized() else 1)
         self.param_dtype, self.device = param.dtype, param.device
         self.dtype = dtype or param.dtype
         self.release()
@@ -50,18 +52,19 @@ class WeightGenerator:
         """Forget the weights of the last generate() (their memory goes)."""
         self.generated = self.leaves = self.grads = self.flat = None
 
-    # -- this process's part of the parameters ----------------------------------------------------
+    # -- this process's part of the parameters -----------------------------------------------------
     def own(self, p):
         """The rows of parameter p held here (all of them unless sharded)."""
         return p.to_local() if self.sharded else p
 
     def full(self, p):
-        """All of parameter p (a time MLP's): all-gathered when sharded; the gradient coming back is each
-        process's partial sum, reduce-scattered to the shards."""
+        """All of parameter p (a time MLP's): all-gathered when sharded; the gradient coming back is
+        each process's partial sum, reduce-scattered to the shards."""
         return p.full_tensor(grad_placements=[Partial()]) if self.sharded else p
 
     def columns(self, unit):
-        """The full widths of what `unit` generates: (out*in, out or None) for a linear, (C, C or None) for a norm."""
+        """The full widths of what `unit` generates: (out*in, out or None) for a linear, (C, C or
+        None) for a norm."""
         params = dict(unit.named_parameters(recurse=False))
         names = ("A_W", "C_W") if isinstance(unit, TimeDependentLinear) else ("G", "H")
         return tuple(params[n].size(0) if n in params else None for n in names)
@@ -71,14 +74,15 @@ class WeightGenerator:
         t = t.to(self.dtype)
         if not self.sharded:
             return t
-        return DTensor.from_local(t, self.mesh, [Shard(1)], run_check=False, shape=(t.size(0), columns),
-                                  stride=(columns, 1)).full_tensor()
+        return DTensor.from_local(t, self.mesh, [Shard(1)], run_check=False,
+                                  shape=(t.size(0), columns), stride=(columns, 1)).full_tensor()
 
-    # -- once per iteration ----------------------------------------------------------------------------
+    # -- once per iteration ------------------------------------------------------------------------
     def generate(self, steps=None, solver=None, offsets=None, grad=True):
-        """W(t) at every stage time of `steps` steps of `solver` (the model's by default), Euler's times moved
-        back by `offsets` (steps,) as in DiffEqFormer.forward. With grad, as leaves that collect dL/dW for
-        backward(); without (evaluation), as plain tensors. Returns them, as weights() does."""
+        """W(t) at every stage time of `steps` steps of `solver` (the model's by default), Euler's
+        times moved back by `offsets` (steps,) as in DiffEqFormer.forward. With grad, as leaves that
+        collect dL/dW for backward(); without (evaluation), as plain tensors. Returns them, as
+        weights() does."""
         steps, solver = self.model.check_steps(steps, solver)
         ts = self.model.times(steps, solver, offsets)
         self.release()
@@ -89,14 +93,18 @@ class WeightGenerator:
                 mlp = {n: self.full(p) for n, p in unit.time_mlp.named_parameters()}
                 z = functional_call(unit.time_mlp, mlp, (e,))  # (T, d_t)
                 own = {n: self.own(p) for n, p in unit.named_parameters(recurse=False)}
-                self.generated[name] = type(unit).generate(z, **own)  # this process's columns, (T, n) each
+                # this process's columns, (T, n) each
+                self.generated[name] = type(unit).generate(z, **own)
         with torch.no_grad():
-            full = {name: [None if t is None else self.gather(t, n) for t, n in zip(out, self.columns(self.units[name]))]
+            full = {name: [None if t is None else self.gather(t, n)
+                           for t, n in zip(out, self.columns(self.units[name]))]
                     for name, out in self.generated.items()}
         if not grad:
-            self.leaves = {name: [None if t is None else t.unbind(0) for t in out] for name, out in full.items()}
+            self.leaves = {name: [None if t is None else t.unbind(0) for t in out]
+                           for name, out in full.items()}
             return self.weights()
-        # dL/dW of every time accumulates, in the parameters' dtype, in one flat buffer (one all-reduce)
+        # dL/dW of every time accumulates, in the parameters' dtype, in one flat buffer
+        # (one all-reduce)
         sizes = [t.numel() for out in full.values() for t in out if t is not None]
         self.flat = torch.zeros(sum(sizes), device=self.device, dtype=self.param_dtype)
         self.leaves, self.grads, offset = {}, {}, 0
@@ -117,10 +125,11 @@ class WeightGenerator:
         return self.weights()
 
     def weights(self):
-        """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=): fresh
-        views of the leaves, one list per micro-step."""
+        """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=):
+        fresh views of the leaves, one list per micro-step."""
         T = len(next(iter(self.leaves.values()))[0])
-        return [self.hyper.assemble({name: tuple(None if t is None else t[k] for t in out) for name, out in self.leaves.items()})
+        return [self.hyper.assemble({name: tuple(None if t is None else t[k] for t in out)
+                                     for name, out in self.leaves.items()})
                 for k in range(T)]
 
     def backward(self):
@@ -136,7 +145,8 @@ class WeightGenerator:
                 if t is None:
                     continue
                 if self.sharded:  # (T, columns) summed over processes -> this process's columns
-                    g = DTensor.from_local(g, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Shard(1)]).to_local()
+                    partial = DTensor.from_local(g, self.mesh, [Partial()], run_check=False)
+                    g = partial.redistribute(self.mesh, [Shard(1)]).to_local()
                 outputs.append(t)
                 grads.append(g)
         generated = self.generated
