@@ -207,7 +207,7 @@ class Batches:
 # temporary name and renamed over the old one (FSDP runs' sharded folders: scale/checkpoint.py).
 
 MODEL = "diffeqformer-model"  # a model: config, weights, and (for a run) optimizer and iteration
-ADAPTERS = "diffeqformer-lora-adapters"  # LoRA adapters alone, with their settings and base checkpoint
+ADAPTERS = "diffeqformer-lora-adapters"  # LoRA adapters alone, with their settings and base
 LORA_RUN = "diffeqformer-lora-run"  # a LoRA fine-tuning run's resumable state
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and DDP's
 
@@ -229,8 +229,9 @@ def save(obj, path):
             raise
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise UserError(f"could not write {path}: {cause.strerror or cause}; what was there before is "
-                        f"intact (a run resumes from it with --init_from=resume)") from None
+        raise UserError(f"could not write {path}: {cause.strerror or cause}; what was there "
+                        f"before is intact (a run resumes from it with --init_from=resume)"
+                        ) from None
 
 
 GPT2_HUB_IDS = {name: f"openai-community/{name}" for name in
@@ -286,16 +287,16 @@ def load(path, kind=MODEL, map_location="cpu"):
             raise UserError(f"{path} holds a model, not a {' or '.join(kinds)} checkpoint")
         return load_folder(path)
     if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist (train one with `python train.py`, or pass "
-                        f"--init_from=PATH)")
+        raise UserError(f"checkpoint {path} does not exist (train one with `python train.py`, or "
+                        f"pass --init_from=PATH)")
     if os.path.getsize(path) == 0:
         raise UserError(f"checkpoint {path} is empty (0 bytes): it was never written completely; "
                         f"use another one")
     try:
-        with warnings.catch_warnings():  # a garbage file can make the unpickler warn before it fails
+        with warnings.catch_warnings():  # a garbage file can make the unpickler warn, then fail
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # a file of any other format fails in any of a dozen ways in the unpickler
+    except Exception as e:  # a file of another format fails in any of a dozen ways in the unpickler
         raise UserError(f"{path} is not a PyTorch checkpoint this project can read "
                         f"({type(e).__name__}); is it the right file?") from e
     found = ckpt.get("kind") if isinstance(ckpt, dict) else None
@@ -327,15 +328,16 @@ def model_from(ckpt, path="the checkpoint", **overrides):
     weights = clean_state_dict(ckpt.get("model") or {})
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
+        missing, unexpected = (", ".join(names[:3]) or "nothing" for names in (missing, unexpected))
         raise UserError(f"{path} does not hold the weights of its {cfg.model_type} model (missing "
-                        f"{', '.join(missing[:3]) or 'nothing'}; unexpected {', '.join(unexpected[:3]) or 'nothing'})")
+                        f"{missing}; unexpected {unexpected})")
     return model.eval()
 
 
 def load_model(path):
-    """(model on the CPU in eval mode, tokenizer name) from any checkpoint this project writes: every
-    model type, a full fine-tune or a merged one, or a LoRA adapters file (materialised on its base,
-    the adapters merged in)."""
+    """(model on the CPU in eval mode, tokenizer name) from any checkpoint this project writes:
+    every model type, a full fine-tune or a merged one, or a LoRA adapters file (materialised on its
+    base, the adapters merged in)."""
     ckpt = load(path, kind=(MODEL, ADAPTERS))
     if ckpt["kind"] == ADAPTERS:
         import lora  # adapters only: lora.py reads the base checkpoint they name

@@ -42,8 +42,8 @@ class FinetuneConfig:
 
     def __post_init__(self):
         if not 0 <= self.steps <= MAX_STEPS:
-            raise ValueError(f"steps={self.steps} must be in 1..{MAX_STEPS} (or 0 for the pretraining "
-                             f"count)")
+            raise ValueError(f"steps={self.steps} must be in 1..{MAX_STEPS} (or 0 for the "
+                             f"pretraining count)")
         if self.lora_rank < 1:
             raise ValueError(f"lora_rank={self.lora_rank} must be at least 1")
 

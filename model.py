@@ -13,7 +13,7 @@ one shared block, per-layer parameters) and `flavor` picks GPT (LayerNorm, GELU,
 positions, biases, tied head) or Llama (RMSNorm, RoPE, SwiGLU, no biases, untied head).
 
 Differences from nanoGPT: the parallel residual and 1/N step of the ODE models; weights as functions
-of t; `steps` and `solver` are arguments of each call; `materialize` makes an ordinary transformer of
+of t; `steps` and `solver` are arguments of each call; `materialize` makes a plain transformer of
 any depth (METHOD 5). Times, time features and RoPE tables are at least float32 (bf16 rounding of t,
 times the scale 1000, would scramble the sinusoids).
 """
@@ -323,7 +323,7 @@ class Block(nn.Module):
         return {name: (m.weight, getattr(m, "bias", None)) for name, m in self.named_children()}
 
     def forward(self, x, cfg, rope, dropout, mask=None, cache=None):
-        """One layer: the sequential baseline block, or a materialised ODE's Euler step x + F(x)/N"""
+        """One layer: the sequential baseline block, or a materialised ODE's Euler step x+F(x)/N"""
         w = self.weights()
         if cfg.model_type == "baseline":
             return sequential_block(x, w, cfg, rope, dropout, mask, cache)
@@ -438,7 +438,7 @@ class DiffEqFormer(nn.Module):
     # -- the forward pass --------------------------------------------------------------------------
     def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None,
                 input_pos=None, mask=None, caches=None, last_only=False):
-        """Logits (B, T, vocab) and the mean cross-entropy against targets (ignore index -1) or None.
+        """Logits (B, T, vocab) and the mean cross-entropy with targets (ignore index -1) or None.
         offsets (steps,): Euler's times moved back inside their steps (step_weights). weights: an
         ODE's weights at every stage time, as step_weights makes them (train.py makes them once per
         optimizer step). input_pos (T,), mask (T, S) and caches: the positions of idx's tokens, what
