@@ -200,18 +200,20 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
     """Build one instance of each dataclass from argv (config files, then flags, later wins);
     `default_file` is read when argv names no config file.
 
-    Returns (instances..., given): `given` is the set of keys set explicitly, so that a script can
-    tell a user's choice from a default (for example when resuming from a checkpoint)."""
+    Returns (instances..., given): `given` is the set of keys the user chose, in a config file they
+    named or on the command line, so that a script can tell a choice from a default (resuming, a
+    checkpoint's shape and tokenizer win over `defaults` and `default_file`)."""
     owners = fields_of(*classes)
     if "--help" in argv or "-h" in argv:
         print(usage(classes))
         sys.exit(0)
     files, pairs = split_args(argv, owners)
-    files = files or ([default_file] if default_file else [])
     values = {key: (value, "in the script's defaults") for key, value in (defaults or {}).items()}
-    for path in files:
+    for path in files or ([default_file] if default_file else []):
         for key, value in read_config_file(path).items():
             values[key] = (value, f"in {path}")
+    named = {f"in {path}" for path in files}  # the config files the user named
+    given = {key for key, (_, where) in values.items() if where in named} | {k for k, _ in pairs}
     for key, value in pairs:
         values[key] = (value, "on the command line")
     unknown = sorted(k for k in values if k not in owners)
@@ -227,7 +229,7 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
         instances = [cls(**kwargs[cls]) for cls in classes]
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    return (*instances, set(values))
+    return (*instances, given)
 
 
 def run_main(main):

@@ -366,8 +366,7 @@ def main(argv):
             memory.check(mcfg, cfg, env)
         # the weights to start from: a checkpoint, a folder, GPT-2 (gpt2 ... gpt2-xl) or a Hub id
         start = None if cfg.init_from in ("scratch", "resume") else common.load(cfg.init_from)
-        flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
-        if start and "tokenizer" not in flags:  # its tokens, unless the command line says others
+        if start and "tokenizer" not in given:  # its tokens, unless the user chose others
             cfg = dataclasses.replace(cfg, tokenizer=start.get("tokenizer", cfg.tokenizer))
         prepare.get_tokenizer(cfg.tokenizer)  # offline and not cached: one line, before the data
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")

@@ -44,6 +44,9 @@ def test_configurator_flag_forms_and_types(tmp_path):
     assert parse_config(["--steps=010"], Opts)[0].steps == 10  # decimal, not octal
     assert parse_config(["--lora", str(cfg_file)], Opts)[0].steps == 12  # a config file is not a flag's value
     assert parse_config([], Opts, default_file=str(cfg_file))[0].steps == 12
+    # the default file's keys are defaults, not choices; a named file's and the flags' are choices
+    assert parse_config(["--lr=2"], Opts, default_file=str(cfg_file))[1] == {"lr"}
+    assert parse_config([str(cfg_file)], Opts, default_file=str(cfg_file))[1] == {"steps", "name"}
 
 
 def test_config_files_include_others_relative_to_themselves(tmp_path, monkeypatch):
@@ -141,11 +144,15 @@ def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
     assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
 
 
-def test_resume_continues_exactly(tmp_path, shakespeare):
-    shared = [f"--input_file={shakespeare}", "--max_iters=10", "--eval_interval=5", "--dropout=0.1"]
-    straight = losses(run(tmp_path, *shared, out="a"))
-    run(tmp_path, *shared, "--stop_at=5", out="b")
-    resumed = losses(run(tmp_path, *shared, "--init_from=resume", "--ffn_dim=64", out="b"))  # shape from the checkpoint
+def test_resume_continues_exactly(tmp_path, shakespeare, capsys):
+    shared = [f"--input_file={shakespeare}", "--max_iters=10", "--eval_interval=5"]
+    first = ["--dropout=0.1", "--init=reference"]  # not the default file's dropout=0.0, init="gpt"
+    straight = losses(run(tmp_path, *shared, *first, out="a"))
+    run(tmp_path, *shared, *first, "--stop_at=5", out="b")
+    capsys.readouterr()
+    # the checkpoint's dropout and shape, not the default config file's; --ffn_dim is ignored, and said
+    resumed = losses(run(tmp_path, *shared, "--init_from=resume", "--ffn_dim=64", out="b"))
+    assert "the model's shape comes from the checkpoint; ignoring --ffn_dim\n" in capsys.readouterr().out
     assert sorted(resumed) == list(range(10))
     for it in range(5, 10):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
