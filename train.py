@@ -327,14 +327,14 @@ def setup_run(model, cfg, env, ckpt=None):
 def model_config_for(mcfg, cfg, env, given, data, start=None):
     """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape
     (out_dir's to resume, or `start`), or the given one with the data's vocabulary padded to a
-    multiple of 64 (50257 -> 50304)."""
+    multiple of 64 (50257 -> 50304), whose padded rows never get probability (tokenizer_vocab)."""
     vocab = prepare.load_meta(data)["vocab_size"]
     if cfg.init_from == "scratch":
-        if "vocab_size" not in given:
-            mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": vocab + (-vocab) % 64})
-        if mcfg.vocab_size < vocab:
-            raise UserError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab}")
-        return mcfg, None
+        size = mcfg.vocab_size if "vocab_size" in given else vocab + (-vocab) % 64
+        if size < vocab:
+            raise UserError(f"vocab_size={size} is smaller than the tokenizer's {vocab}")
+        padded = dict(vocab_size=size, tokenizer_vocab=vocab if size > vocab else 0)
+        return ModelConfig(**{**mcfg.to_dict(), **padded}), None
     resume = cfg.init_from == "resume"
     ckpt = checkpoint.load_run(cfg, env) if resume else start
     changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}

@@ -19,7 +19,7 @@ from scale import memory, parallel
 from configurator import ConfigError, UserError, parse_config
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT
+from conftest import ROOT, tokenizer_or_skip
 
 
 # -- the configurator --------------------------------------------------------------------------
@@ -142,6 +142,16 @@ def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
     assert os.path.getsize(tmp_path / "out" / "loss.png") > 5000
     ckpt = common.load(str(tmp_path / "out" / "ckpt.pt"))
     assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
+
+
+def test_a_gpt2_tokenizer_run_pads_its_vocabulary_with_rows_that_never_get_probability(tmp_path,
+                                                                                     shakespeare):
+    tokenizer_or_skip("gpt2")
+    run(tmp_path, f"--input_file={shakespeare}", "--tokenizer=gpt2", "--max_iters=1", "--eval_interval=1")
+    model, _ = common.load_model(str(tmp_path / "out" / "ckpt.pt"))
+    assert (model.cfg.vocab_size, model.cfg.tokenizer_vocab) == (50304, 50257)  # 50257 -> 64s
+    logits, _ = model(torch.tensor([[464, 3290]]))
+    assert torch.isneginf(logits[..., 50257:]).all() and torch.isfinite(logits[..., :50257]).all()
 
 
 def test_resume_continues_exactly(tmp_path, shakespeare, capsys):
