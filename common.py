@@ -257,12 +257,12 @@ def resolve(path):
 
 def load_folder(path):
     """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors), or of
-    a transformers GPT2LMHeadModel or LlamaForCausalLM folder (export.py maps its weights)."""
+    a transformers GPT2LMHeadModel or LlamaForCausalLM folder (hf.py maps its weights)."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     if config.get("format") != "diffeqformer":
-        import export  # transformers' classes: an optional extra, imported only here
-        return export.from_transformers(path, config)
+        import hf  # transformers' GPT-2 and Llama (hf.py imports this module: not at the top)
+        return hf.from_transformers(path, config)
     from safetensors.torch import load_file
     try:
         weights = load_file(os.path.join(path, "model.safetensors"))

@@ -13,20 +13,16 @@ sharing, GPT, Llama, materialised, merged; LoRA adapters are merged into their b
 
 `--format=hf` writes a GPT baseline as transformers' `GPT2LMHeadModel` and a Llama baseline as its
 `LlamaForCausalLM`, with the same logits, so that `lm_eval --model hf` and the rest of that
-ecosystem run it. The names map one to one (TRANSFORMERS_NAMES); GPT-2 keeps its linear weights
-transposed (its Conv1D is x @ W, nn.Linear is x @ W^T) and Llama splits our fused q, k, v. The same
-map read backwards starts a model from OpenAI's GPT-2 (`python train.py --init_from=gpt2`).
+ecosystem run it; hf.py holds the name map, which read backwards starts a model from OpenAI's GPT-2
+(`python train.py --init_from=gpt2`).
 """
 import json
 import os
 from dataclasses import dataclass
 
-import torch
-
 import common
-import prepare
+import hf
 from configurator import UserError, parse_config, run_main
-from model import EPS, ModelConfig
 
 FORMATS = ("diffeqformer", "hf")
 
@@ -41,185 +37,6 @@ class ExportConfig:
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r}: use {' or '.join(FORMATS)}")
-
-
-# -- the name map: ours <-> transformers' --------------------------------------------------------
-# per layer: our linear or norm -> its name in transformers (Llama's attn: q_proj, k_proj, v_proj)
-TRANSFORMERS_NAMES = {
-    "gpt": dict(ln_1="ln_1", ln_2="ln_2", attn="attn.c_attn", proj="attn.c_proj", fc="mlp.c_fc",
-                fc2="mlp.c_proj"),
-    "llama": dict(ln_1="input_layernorm", ln_2="post_attention_layernorm", proj="self_attn.o_proj",
-                  gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj"),
-}
-OUTSIDE_LAYERS = {  # our name -> transformers' for the weights outside the layers
-    "gpt": {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
-            "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias"},
-    "llama": {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight"},
-}
-LAYERS = {"gpt": "transformer.h", "llama": "model.layers"}
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-
-
-def layer_names(cfg):
-    """(our name, transformers' name, transposed?) of every tensor of every layer, but the Llama
-    flavour's fused attention (split into q, k, v by the two functions below)."""
-    for k in range(cfg.n_layer):
-        for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
-            for kind in ("weight", "bias"):
-                linear = kind == "weight" and not name.startswith("ln")
-                transposed = cfg.flavor == "gpt" and linear  # GPT-2's Conv1D holds W^T: (in, out)
-                yield (f"layers.{k}.{name}.{kind}", f"{LAYERS[cfg.flavor]}.{k}.{their_name}.{kind}",
-                       transposed)
-
-
-def to_transformers_state(state, cfg):
-    """Our baseline's state dict -> transformers' (GPT2LMHeadModel or LlamaForCausalLM)."""
-    out = {theirs: state[ours] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()}
-    for ours, theirs, transposed in layer_names(cfg):
-        if ours in state:
-            out[theirs] = state[ours].t() if transposed else state[ours]
-    if cfg.flavor == "llama":  # our fused attn (3C, C) = [W_q; W_k; W_v]
-        for k in range(cfg.n_layer):
-            for their_name, w in zip(QKV, state[f"layers.{k}.attn.weight"].chunk(3)):
-                out[f"{LAYERS['llama']}.{k}.{their_name}.weight"] = w
-    return {name: w.contiguous() for name, w in out.items()}
-
-
-def from_transformers_state(state, cfg):
-    """transformers' state dict -> our baseline's: the map of to_transformers_state backwards."""
-    out = {ours: state[theirs] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()
-           if theirs in state}
-    for ours, theirs, transposed in layer_names(cfg):
-        if theirs in state:
-            out[ours] = state[theirs].t() if transposed else state[theirs]
-    if cfg.flavor == "llama":
-        for k in range(cfg.n_layer):
-            qkv = [state[f"{LAYERS['llama']}.{k}.{n}.weight"] for n in QKV]
-            out[f"layers.{k}.attn.weight"] = torch.cat(qkv)
-    return {name: w.contiguous() for name, w in out.items()}
-
-
-def transformers_config(cfg, tokenizer):
-    """transformers' config of our GPT or Llama baseline, with the tokenizer's name beside it."""
-    import transformers
-    vocab = cfg.tokenizer_vocab or cfg.vocab_size  # the padded rows, which never win, left out
-    common_keys = dict(vocab_size=vocab, bos_token_id=None, eos_token_id=None,
-                       diffeqformer_tokenizer=tokenizer)
-    if tokenizer == "gpt2":  # GPT-2's <|endoftext|> begins and ends a text
-        common_keys.update(bos_token_id=50256, eos_token_id=50256)
-    if cfg.flavor == "gpt":
-        return transformers.GPT2Config(
-            n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
-            n_inner=cfg.ffn_dim, activation_function="gelu_new", layer_norm_epsilon=EPS,
-            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-            tie_word_embeddings=True, **common_keys)
-    return transformers.LlamaConfig(
-        hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head, rms_norm_eps=EPS,
-        max_position_embeddings=cfg.block_size, attention_dropout=cfg.dropout,
-        rope_parameters=dict(rope_theta=10000.0, rope_type="default"), tie_word_embeddings=False,
-        **common_keys)
-
-
-def to_transformers(model, tokenizer):
-    """Our GPT or Llama baseline as transformers' GPT2LMHeadModel or LlamaForCausalLM."""
-    try:
-        import transformers
-    except ImportError:
-        raise UserError("--format=hf needs transformers: pip install -r requirements-eval.txt") \
-            from None
-    transformers.logging.disable_progress_bar()
-    cfg = model.cfg
-    if cfg.model_type != "baseline":
-        raise UserError(f"--format=hf writes the GPT and Llama baselines; a {cfg.model_type} model "
-                        f"has no transformers class: export it with --format=diffeqformer")
-    state = model.state_dict()
-    if cfg.tokenizer_vocab:  # the rows of real tokens only
-        vocab_weights = ["wte.weight"] + ["lm_head.weight"] * (cfg.flavor == "llama")
-        state.update({k: state[k][:cfg.tokenizer_vocab] for k in vocab_weights})
-    hf_cfg = transformers_config(cfg, tokenizer)
-    cls = transformers.GPT2LMHeadModel if cfg.flavor == "gpt" else transformers.LlamaForCausalLM
-    hf = cls(hf_cfg)
-    missing, unexpected = hf.load_state_dict(to_transformers_state(state, cfg), strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # GPT-2's head: tied to wte
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf.eval()
-
-
-def from_transformers(path, config):
-    """The checkpoint dict of a transformers GPT2LMHeadModel or LlamaForCausalLM folder: loaded by
-    transformers' from_pretrained, then renamed; the vocabulary padded to a multiple of 64 with rows
-    that never get probability (tokenizer_vocab)."""
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(f"{path} is a transformers model folder: pip install -r "
-                        f"requirements-eval.txt (transformers)") from None
-    flavor = {"gpt2": "gpt", "llama": "llama"}.get(config.get("model_type"))
-    if flavor is None:
-        raise UserError(f"{path} holds a {config.get('model_type', 'unknown')} model; this project "
-                        f"reads its own exports, GPT-2 and Llama")
-    tokenizer = config.get("diffeqformer_tokenizer", "gpt2" if flavor == "gpt" else None)
-    heads = config.get("num_attention_heads")
-    problems = [message for bad, message in (
-        (tokenizer is None, "a tokenizer this project has (diffeqformer_tokenizer: byte or gpt2)"),
-        (config.get("layer_norm_epsilon", config.get("rms_norm_eps")) != EPS, f"norm eps {EPS}"),
-        (config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"),
-         "tanh-GELU"),
-        (config.get("num_key_value_heads", heads) != heads, "as many key-value heads as heads"),
-        ((config.get("rope_parameters") or {}).get("rope_theta", 10000.0) != 10000.0,
-         "RoPE base 10000"),
-        (config.get("attention_bias") or config.get("mlp_bias"), "no biases")) if bad]
-    if problems:
-        raise UserError(f"{path}: this project's {flavor} model needs {problems[0]}")
-    transformers.logging.disable_progress_bar()
-    cls = transformers.GPT2LMHeadModel if flavor == "gpt" else transformers.LlamaForCausalLM
-    hf = cls.from_pretrained(path, dtype=torch.float32)
-    c = hf.config
-    vocab = c.vocab_size
-    cfg = ModelConfig(
-        model_type="baseline", flavor=flavor, vocab_size=vocab + (-vocab) % 64,
-        tokenizer_vocab=vocab if vocab % 64 else 0, block_size=c.max_position_embeddings,
-        n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size,
-        ffn_dim=(c.n_inner or 4 * c.n_embd) if flavor == "gpt" else c.intermediate_size)
-    state = from_transformers_state(hf.state_dict(), cfg)
-    for name in ("wte.weight", "lm_head.weight"):  # zero rows past the tokenizer's vocabulary
-        if name in state:
-            state[name] = torch.cat([state[name], state[name].new_zeros(cfg.vocab_size - vocab,
-                                                                        cfg.n_embd)])
-    return {"kind": common.MODEL, "model_config": cfg.to_dict(), "model": state,
-            "tokenizer": tokenizer, "optimizer": None, "iter_num": 0, "best_val_loss": None,
-            "source": f"transformers {type(hf).__name__} from {path}"}
-
-
-def transformers_tokenizer(name, max_length):
-    """The tokenizer as transformers' own (tokenizer.json), so that AutoTokenizer, lm-eval's hf
-    model and the rest read the folder alone: bytes as a byte-level BPE without merges (token b is
-    byte b), or a tiktoken encoding (GPT-2's BPE) converted by transformers, offline."""
-    import tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
-    if name == "byte":
-        char = bytes_to_unicode()  # byte b -> the printable character byte-level BPE writes for it
-        tok = tokenizers.Tokenizer(tokenizers.models.BPE({char[b]: b for b in range(256)}, []))
-        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                use_regex=False)
-        tok.decoder = tokenizers.decoders.ByteLevel()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length)
-    import base64
-    import tempfile
-    encoding = prepare.get_tokenizer(name).enc
-    with tempfile.TemporaryDirectory() as tmp:  # the ranks in tiktoken's own file format
-        ranks = os.path.join(tmp, f"{name}.tiktoken")
-        with open(ranks, "w") as f:
-            f.writelines(f"{base64.b64encode(token).decode()} {rank}\n"
-                         for token, rank in encoding._mergeable_ranks.items())
-        tok = TikTokenConverter(vocab_file=ranks, pattern=encoding._pat_str,
-                                extra_special_tokens=encoding._special_tokens).converted()
-    end = "<|endoftext|>"  # GPT-2's: begins and ends a text
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length,
-                                   bos_token=end, eos_token=end)
 
 
 # -- writing the folder ---------------------------------------------------------------------------
@@ -302,8 +119,8 @@ def export(path, out, fmt="diffeqformer"):
     model, tokenizer = common.load_model(path)
     common.make_dir(out, "out")
     if fmt == "hf":
-        to_transformers(model, tokenizer).save_pretrained(out)
-        transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
+        hf.to_transformers(model, tokenizer).save_pretrained(out)
+        hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
     else:
         save_folder(model, tokenizer, out, facts)
     with open(os.path.join(out, "README.md"), "w") as f:
