@@ -591,6 +591,25 @@ def test_depth_table_on_a_checkpoint(tmp_path, shakespeare):
         depth.main([f"--init_from={tmp_path / 'gpt' / 'ckpt.pt'}"])
 
 
+def test_the_embedding_experiment_starts_both_runs_from_the_same_draws_but_the_embeddings_scale(
+        tmp_path):
+    from experiments import embedding
+    cfg = embedding.EmbeddingConfig()
+    starts = []
+    for std in embedding.STDS:  # 0.02 (ours), 1 (the authors')
+        embedding.start_checkpoint(std, cfg, str(tmp_path / f"{std:g}.pt"))
+        starts.append(common.load(str(tmp_path / f"{std:g}.pt")))
+    ours, authors = starts
+    config = ModelConfig(**ours["model_config"])
+    assert (config.model_type, config.flavor, config.init) == ("diffeq", "llama", "reference")
+    assert ours["model_config"] == authors["model_config"] and ours["model"].keys() == authors["model"].keys()
+    for name, w in ours["model"].items():  # every other tensor the same draw
+        scale = 50.0 if name == "wte.weight" else 1.0
+        torch.testing.assert_close(authors["model"][name], w * scale, rtol=1e-6, atol=0)
+    assert ours["model"]["wte.weight"].std().item() == pytest.approx(0.02, rel=0.02)
+    assert authors["model"]["wte.weight"].std().item() == pytest.approx(1.0, rel=0.02)
+
+
 @pytest.mark.parametrize("extra", [[], ["--gradient_accumulation_steps=3"]])
 def test_the_default_run_calls_the_hypernetwork_once_per_iteration(tmp_path, monkeypatch, extra):
     """`python train.py` (config/shakespeare.py, 3 iterations), and with 3 micro-steps: one
