@@ -581,7 +581,31 @@ def budget_tables(b):
         cell = lambda v: "pending" if v is None else bold(v)
         cells = [f"{x * model['learning_rate']:g}: {cell(v)}" for x, v in recheck[m].items()]
         lr.append(f"| {model['label']} | " + " | ".join(cells) + " |")
-    return dict(budget="\n".join(curve), budget_lr="\n".join(lr))
+    return dict(budget="\n".join(curve), budget_lr="\n".join(lr), budget_vs=budget_versus(b, points))
+
+
+def budget_versus(b, points, reference="gpt"):
+    """Each other model's validation loss minus GPT's at each budget, seed by seed (a seed draws the
+    same batches for every model), and which is ahead: where the curves cross, and how surely."""
+    others = sorted((m for m in b["models"] if m != reference), key=lambda m: m != "diffeq")
+    label = lambda m: b["models"][m]["label"]
+    lines = ["| iterations | " + " | ".join(f"{label(m)} - {label(reference)}, seed 1 / seed 2 | "
+                                          f"mean | ahead" for m in others) + " |",
+             "|---" * (1 + 3 * len(others)) + "|"]
+    for budget in b["budgets"]:
+        losses = {m: p[1] for m in b["models"] for p in points[m] if p[0] == budget}
+        cells = []
+        for m in others:
+            if m not in losses or reference not in losses:
+                cells.append("pending | |")
+                continue
+            diffs = [v - g for v, g in zip(losses[m], losses[reference])]
+            ahead = (f"{label(reference)}, every seed" if min(diffs) > 0 else
+                     f"{label(m)}, every seed" if max(diffs) < 0 else "the seeds disagree")
+            cells.append(f"{' / '.join(f'{d:+.4f}' for d in diffs)} | {np.mean(diffs):+.4f} | "
+                         f"{ahead}")
+        lines.append(f"| {budget} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def budget_figure(b, path):

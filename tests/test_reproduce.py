@@ -219,6 +219,20 @@ def test_budget_tables_show_pending_jobs_the_seed_spread_and_the_rank():
     assert "| 1000 | 2.05M | GPT | 0.001 | pending | pending | pending | | |" in lines
     lr = tables["budget_lr"].splitlines()
     assert "| GPT | 0.0005: pending | 0.001: pending | 0.002: **2.0000** |" in lr
+    versus = tables["budget_vs"].splitlines()  # DiffEqFormer - GPT, seed by seed
+    assert versus[0] == "| iterations | DIFFEQ - GPT, seed 1 / seed 2 | mean | ahead |"
+    assert "| 500 | +0.0500 / -0.1500 | -0.0500 | the seeds disagree |" in versus
+    assert "| 1000 | pending | | |" in versus
+    runs.update({"budget-gpt-500-s2": row(2.3, 2.2)})
+    versus = reproduce.budget_tables(budget_record(runs))["budget_vs"].splitlines()
+    assert "| 500 | +0.0500 / -0.0500 | +0.0000 | the seeds disagree |" in versus
+    runs.update({"budget-gpt-500-s2": row(2.26, 2.2)})
+    versus = reproduce.budget_tables(budget_record(runs))["budget_vs"].splitlines()
+    assert "| 500 | +0.0500 / -0.0100 | +0.0200 | the seeds disagree |" in versus
+    runs.update({"budget-diffeq-500-s2": row(2.25, 2.2), "budget-gpt-500-s2": row(2.2, 2.2),
+                 "budget-gpt-500-s1": row(2.21, 2.1)})
+    versus = reproduce.budget_tables(budget_record(runs))["budget_vs"].splitlines()
+    assert "| 500 | +0.0400 / +0.0500 | +0.0450 | GPT, every seed |" in versus
 
 
 def test_the_committed_budget_section_is_drawn_from_its_json():
