@@ -24,7 +24,8 @@ The experiments (Tong et al., ICLR 2025; results/README.md says what each one sh
 5. The analysis figures (Fig. 2, Fig. 3): spectra of the ODE and the GPT, clustering, Lyapunov.
 6. The budget curve: GPT, weight sharing and DiffEqFormer at their best rates of 1., each trained
    with a schedule as long as its budget (500 to 4000 iterations), two seeds, on tiny Shakespeare
-   and WikiText-2's test split together; and each rate halved and doubled at the longest budget.
+   and WikiText-2's test split together; each rate halved and doubled at the longest budget, and
+   a rate found better there run on the second seed too (planned once the recheck has finished).
    Each of its jobs is recorded in results.json as it finishes, and the page's section 6 rewritten:
    a run spread over sessions resumes from the committed json, even without the run folders.
 --only=paper runs 1-5, --only=budget runs 6 (at the rates that results/results.json holds).
@@ -449,9 +450,10 @@ def budget_rates(path=None):
     return {m: table1[m]["learning_rate"] for m in BUDGET_MODELS}
 
 
-def budget_plan(cfg, rates):
+def budget_plan(cfg, rates, better=None):
     """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
-    run is a complete curve over fewer budgets), then the rate recheck at the longest."""
+    run is a complete curve over fewer budgets), then the rate recheck at the longest, then the
+    second seed at each rate that the recheck found better, {model: factor} in `better`."""
     budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
     evals = ["--eval_iters=2"] if cfg.quick else []
 
@@ -470,6 +472,8 @@ def budget_plan(cfg, rates):
     longest, last = budgets[-1], 1 + len(budgets)
     jobs += [job(f"budget-{m}-{longest}-lr{x:g}x", m, longest, SEEDS[0], x, last)
              for m in BUDGET_MODELS for x in RECHECK]
+    jobs += [job(f"budget-{m}-{longest}-lr{x:g}x-s{SEEDS[1]}", m, longest, SEEDS[1], x, last + 1)
+             for m, x in (better or {}).items()]
     return jobs
 
 
@@ -581,12 +585,22 @@ def budget_tables(b):
         cell = lambda v: "pending" if v is None else bold(v)
         cells = [f"{x * model['learning_rate']:g}: {cell(v)}" for x, v in recheck[m].items()]
         lr.append(f"| {model['label']} | " + " | ".join(cells) + " |")
-    return dict(budget="\n".join(curve), budget_lr="\n".join(lr), budget_vs=budget_versus(b, points))
+    return dict(budget="\n".join(curve), budget_lr="\n".join(lr), budget_vs=budget_versus(b, points),
+                budget_best=budget_best(b))
+
+
+def versus(losses, reference, label, label_reference):
+    """Table cells of one model's losses minus the reference's, seed by seed (a seed draws the same
+    batches for every model), their mean, and which model is ahead in every seed, if one is."""
+    diffs = [v - g for v, g in zip(losses, reference)]
+    ahead = (f"{label_reference}, every seed" if min(diffs) > 0 else
+             f"{label}, every seed" if max(diffs) < 0 else "the seeds disagree")
+    return f"{' / '.join(f'{d:+.4f}' for d in diffs)} | {np.mean(diffs):+.4f} | {ahead}"
 
 
 def budget_versus(b, points, reference="gpt"):
-    """Each other model's validation loss minus GPT's at each budget, seed by seed (a seed draws the
-    same batches for every model), and which is ahead: where the curves cross, and how surely."""
+    """Each other model's validation loss minus GPT's at each budget: where the curves cross, and
+    how surely."""
     others = sorted((m for m in b["models"] if m != reference), key=lambda m: m != "diffeq")
     label = lambda m: b["models"][m]["label"]
     lines = ["| iterations | " + " | ".join(f"{label(m)} - {label(reference)}, seed 1 / seed 2 | "
@@ -594,17 +608,46 @@ def budget_versus(b, points, reference="gpt"):
              "|---" * (1 + 3 * len(others)) + "|"]
     for budget in b["budgets"]:
         losses = {m: p[1] for m in b["models"] for p in points[m] if p[0] == budget}
-        cells = []
-        for m in others:
-            if m not in losses or reference not in losses:
-                cells.append("pending | |")
-                continue
-            diffs = [v - g for v, g in zip(losses[m], losses[reference])]
-            ahead = (f"{label(reference)}, every seed" if min(diffs) > 0 else
-                     f"{label(m)}, every seed" if max(diffs) < 0 else "the seeds disagree")
-            cells.append(f"{' / '.join(f'{d:+.4f}' for d in diffs)} | {np.mean(diffs):+.4f} | "
-                         f"{ahead}")
+        cells = [versus(losses[m], losses[reference], label(m), label(reference))
+                 if m in losses and reference in losses else "pending | |" for m in others]
         lines.append(f"| {budget} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def recheck_best(b):
+    """{model: factor} of the best rate at the longest budget (seed 1; a tie keeps the smaller), for
+    each model whose rate recheck has finished."""
+    _, recheck = budget_points(b)
+    return {m: min(losses, key=losses.get) for m, losses in recheck.items()
+            if None not in losses.values()}
+
+
+def budget_best(b, reference="gpt"):
+    """The longest budget with each model at its best rate of the recheck, both seeds, minus GPT's:
+    the comparison that does not favour a model whose sweep rate happens to suit long runs."""
+    longest, seeds = b["budgets"][-1], b["seeds"]
+    found = {}
+    for m, x in recheck_best(b).items():
+        names = ([f"budget-{m}-{longest}-s{seed}" for seed in seeds] if x == 1.0 else
+                 [f"budget-{m}-{longest}-lr{x:g}x"] +
+                 [f"budget-{m}-{longest}-lr{x:g}x-s{seed}" for seed in seeds[1:]])
+        if all(n in b["runs"] for n in names):
+            found[m] = x, [b["runs"][n]["val_loss"] for n in names]
+    label = lambda m: b["models"][m]["label"]
+    lines = [f"| model ({longest} iterations) | best rate (seed 1) | val loss, seed 1 / seed 2 | "
+             f"mean +- half range | minus {label(reference)}, seed 1 / seed 2 | mean | ahead |",
+             "|---" * 7 + "|"]
+    for m, model in b["models"].items():
+        if m not in found:
+            lines.append(f"| {model['label']} | pending | | | | | |")
+            continue
+        x, losses = found[m]
+        mean, spread = mean_spread(losses)
+        head = (f"| {model['label']} | {x * model['learning_rate']:g} ({x:g} x) | "
+                f"{' / '.join(f'{v:.4f}' for v in losses)} | {mean:.4f} +- {spread:.4f} |")
+        vs = (" | |" if m == reference else " pending | |" if reference not in found else
+              " " + versus(losses, found[reference][1], label(m), label(reference)))
+        lines.append(head + vs + " |")
     return "\n".join(lines)
 
 
@@ -655,9 +698,13 @@ def render_budget(r, out):
 
 
 def budget_ledger(cfg, out):
-    """Experiment 6's jobs, and their Ledger in out/results.json (drawn on out/README.md)."""
+    """Experiment 6's jobs, and their Ledger in out/results.json (drawn on out/README.md). The jobs
+    at the rates that the recheck found better are planned once the recheck is recorded there."""
     rates = budget_rates()
-    jobs = budget_plan(cfg, rates)
+    path = os.path.join(out, "results.json")
+    recorded = json.load(open(path)).get("budget") if os.path.isfile(path) else None
+    best = recheck_best(recorded) if recorded else {}
+    jobs = budget_plan(cfg, rates, {m: x for m, x in best.items() if x != 1.0})
     meta = prepare.load_meta(prepare.data_dir_of(cfg.data_root, BUDGET_DATASET, "byte"))
     info = dict(dataset=BUDGET_DATASET, train_tokens=meta["train_tokens"],
                 val_tokens=meta["val_tokens"], tokens_per_iter=BATCH * BLOCK,
@@ -665,13 +712,21 @@ def budget_ledger(cfg, out):
                 seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,
                 models={m: dict(label=MODELS[m][0], learning_rate=rates[m]) for m in BUDGET_MODELS})
     draw = lambda r: render_budget(r, out)
-    return jobs, Ledger(os.path.join(out, "results.json"), jobs, info, draw)
+    return jobs, Ledger(path, jobs, info, draw)
 
 
 def run_budget(cfg, out):
-    """Experiment 6, recorded job by job. Returns the failed jobs' names."""
-    jobs, ledger = budget_ledger(cfg, out)
-    return run(jobs, cfg.jobs, results_of(cfg.runs), cfg.runs, ledger)
+    """Experiment 6, recorded job by job, planned again after each pass until the plan stops
+    growing (the recheck's results add jobs). Returns the failed jobs' names."""
+    planned = None
+    while True:
+        jobs, ledger = budget_ledger(cfg, out)
+        if len(jobs) == planned:
+            return []
+        failed = run(jobs, cfg.jobs, results_of(cfg.runs), cfg.runs, ledger)
+        if failed:
+            return failed
+        planned = len(jobs)
 
 
 def main(argv):

@@ -78,7 +78,8 @@ def test_fill_markers_replaces_only_between_markers():
 
 def test_the_page_has_a_marker_for_every_table():
     page = open(os.path.join(reproduce.RESULTS, "README.md")).read()
-    for name in ("table1", "sweep", "ablations", "finetune", "adaptive", "budget", "budget_lr"):
+    for name in ("table1", "sweep", "ablations", "finetune", "adaptive", "budget", "budget_lr",
+                 "budget_vs", "budget_best"):
         assert f"<!-- results:{name} -->" in page and f"<!-- /results:{name} -->" in page
 
 
@@ -124,6 +125,26 @@ def test_each_budget_job_is_a_whole_schedule_of_its_budget_shortest_first(tmp_pa
     longest = reproduce.BUDGETS[-1]
     assert {job.meta["factor"] for job in jobs if job.meta["budget"] == longest} == {0.5, 1.0, 2.0}
     assert {job.meta["factor"] for job in jobs if job.meta["budget"] < longest} == {1.0}
+
+
+def test_a_better_rate_of_the_recheck_is_run_again_on_the_second_seed_after_it(tmp_path):
+    plain = reproduce.budget_plan(ReproduceConfig(runs=str(tmp_path)), RATES)
+    jobs = reproduce.budget_plan(ReproduceConfig(runs=str(tmp_path)), RATES, {"gpt": 2.0})
+    [extra] = [job for job in jobs if job.name not in {j.name for j in plain}]
+    longest, seed = reproduce.BUDGETS[-1], reproduce.SEEDS[1]
+    assert extra.name == f"budget-gpt-{longest}-lr2x-s{seed}"
+    assert (extra.meta["budget"], extra.meta["seed"], extra.meta["factor"]) == (longest, seed, 2.0)
+    assert float(option(extra.argv, "learning_rate")) == pytest.approx(2 * RATES["gpt"])
+    assert option(extra.argv, "seed") == str(seed)
+    assert extra.stage > max(job.stage for job in plain)  # after the recheck that chose it
+
+
+def test_run_budget_plans_again_until_the_plan_stops_growing(monkeypatch):
+    plans, ran = iter([["a"], ["a", "b"], ["a", "b"]]), []
+    monkeypatch.setattr(reproduce, "budget_ledger", lambda cfg, out: (next(plans), None))
+    monkeypatch.setattr(reproduce, "run", lambda jobs, *args: ran.append(jobs) or [])
+    assert reproduce.run_budget(ReproduceConfig(), "out") == []
+    assert ran == [["a"], ["a", "b"]]  # the recheck's results added "b"; a third pass adds nothing
 
 
 def test_budget_rates_come_from_the_committed_sweep():
@@ -233,6 +254,27 @@ def test_budget_tables_show_pending_jobs_the_seed_spread_and_the_rank():
                  "budget-gpt-500-s1": row(2.21, 2.1)})
     versus = reproduce.budget_tables(budget_record(runs))["budget_vs"].splitlines()
     assert "| 500 | +0.0400 / +0.0500 | +0.0450 | GPT, every seed |" in versus
+
+
+def test_the_longest_budget_at_each_models_best_rate_uses_both_seeds_at_that_rate():
+    row = lambda loss: dict(val_loss=loss, train_loss=loss, tokens=1, flops=1.0, evals=[])
+    runs = {"budget-gpt-1000-s1": row(2.0), "budget-gpt-1000-s2": row(2.1),
+            "budget-diffeq-1000-s1": row(1.9), "budget-diffeq-1000-s2": row(2.2),
+            "budget-gpt-1000-lr0.5x": row(2.05)}
+    b = budget_record(runs)
+    assert reproduce.recheck_best(b) == {}  # neither recheck has finished
+    assert reproduce.budget_tables(b)["budget_best"].splitlines()[2:] == [
+        "| GPT | pending | | | | | |", "| DIFFEQ | pending | | | | | |"]
+    runs.update({"budget-gpt-1000-lr2x": row(1.8), "budget-diffeq-1000-lr0.5x": row(1.95),
+                 "budget-diffeq-1000-lr2x": row(2.3)})
+    assert reproduce.recheck_best(b) == {"gpt": 2.0, "diffeq": 1.0}
+    best = reproduce.budget_tables(b)["budget_best"].splitlines()
+    assert best[2] == "| GPT | pending | | | | | |"  # its second seed at 2x has not run
+    assert best[3] == "| DIFFEQ | 0.001 (1 x) | 1.9000 / 2.2000 | 2.0500 +- 0.1500 | pending | | |"
+    runs["budget-gpt-1000-lr2x-s2"] = row(2.0)
+    best = reproduce.budget_tables(b)["budget_best"].splitlines()
+    assert best[2] == "| GPT | 0.002 (2 x) | 1.8000 / 2.0000 | 1.9000 +- 0.1000 | | | |"
+    assert best[3].endswith("| +0.1000 / +0.2000 | +0.1500 | GPT, every seed |")
 
 
 def test_the_committed_budget_section_is_drawn_from_its_json():
