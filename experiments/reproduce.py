@@ -622,9 +622,9 @@ def recheck_best(b):
             if None not in losses.values()}
 
 
-def budget_best(b, reference="gpt"):
-    """The longest budget with each model at its best rate of the recheck, both seeds, minus GPT's:
-    the comparison that does not favour a model whose sweep rate happens to suit long runs."""
+def best_rate_losses(b):
+    """{model: (factor, [seed losses])} at the longest budget at each model's best rate of the
+    recheck, for the models whose every seed has run at it."""
     longest, seeds = b["budgets"][-1], b["seeds"]
     found = {}
     for m, x in recheck_best(b).items():
@@ -633,6 +633,13 @@ def budget_best(b, reference="gpt"):
                  [f"budget-{m}-{longest}-lr{x:g}x-s{seed}" for seed in seeds[1:]])
         if all(n in b["runs"] for n in names):
             found[m] = x, [b["runs"][n]["val_loss"] for n in names]
+    return found
+
+
+def budget_best(b, reference="gpt"):
+    """The longest budget with each model at its best rate of the recheck, both seeds, minus GPT's:
+    the comparison that does not favour a model whose sweep rate happens to suit long runs."""
+    longest, found = b["budgets"][-1], best_rate_losses(b)
     label = lambda m: b["models"][m]["label"]
     lines = [f"| model ({longest} iterations) | best rate (seed 1) | val loss, seed 1 / seed 2 | "
              f"mean +- half range | minus {label(reference)}, seed 1 / seed 2 | mean | ahead |",
@@ -653,11 +660,13 @@ def budget_best(b, reference="gpt"):
 
 def budget_figure(b, path):
     """Validation loss (mean of the seeds, half their range as the bar) against iterations, tokens
-    and training FLOPs; dotted: every evaluation of the longest runs (a long run read early)."""
+    and training FLOPs; dotted: every evaluation of the longest runs (a long run read early); stars:
+    the longest budget at each model's best rate there (mean of the seeds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     points, _ = budget_points(b)
+    best = best_rate_losses(b)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharey=True)
     for m, model in b["models"].items():
         color = None
@@ -672,6 +681,12 @@ def budget_figure(b, path):
             its = [e[0] for e in longest["evals"] if e[0] > 0]
             losses = [e[2] for e in longest["evals"] if e[0] > 0]
             axes[0].plot(its, losses, ":", color=color, alpha=0.7)
+            if m in best:  # the same budget at the model's best rate there
+                x, seeds = best[m]
+                for ax, at in zip(axes, (b["budgets"][-1], longest["tokens"], longest["flops"])):
+                    ax.plot([at], [np.mean(seeds)], "*", ms=11, color=color,
+                            label=f"{model['label']} at lr {x * model['learning_rate']:g}"
+                            if ax is axes[0] else None)
     axes[0].set(xlabel="iterations (= schedule length)", ylabel="validation loss (nats/byte)")
     axes[1].set(xlabel="training tokens")
     axes[2].set(xlabel="training FLOPs")
@@ -683,7 +698,8 @@ def budget_figure(b, path):
             ax.text(0.5, 0.5, "pending", transform=ax.transAxes, ha="center")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"budget curve on {b['dataset']} (dotted: seed 1's longest run read at each "
-                 f"evaluation)", fontsize=9)
+                 f"evaluation; stars: the longest budget at each model's best rate there)",
+                 fontsize=9)
     save(fig, path)
 
 
