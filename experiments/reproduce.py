@@ -3,7 +3,7 @@ Reproduce the paper's experiments at laptop scale: every number and figure of re
 
     python -m experiments.reproduce            # about 80 minutes on 2 CPU cores; run again to resume
     python -m experiments.reproduce --quick    # every job for a few iterations: checks the pipeline (~10 min)
-    python -m experiments.reproduce --only=budget --jobs=1   # 6. the budget curve alone (~8 h)
+    python -m experiments.reproduce --only=budget --jobs=1   # 6. the budget curve alone (~9 h)
 
 Each experiment is a run of this repository's own tools (train.py, finetune.py, experiments/depth.py,
 analyze.py) in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
