@@ -450,6 +450,13 @@ def budget_rates(path=None):
     return {m: table1[m]["learning_rate"] for m in BUDGET_MODELS}
 
 
+def budget_name(model, budget, seed, factor=1.0, first=SEEDS[0]):
+    """A budget job's name: budget-gpt-4000-s1337 at the sweep's rate, budget-gpt-4000-lr2x-s1338
+    at twice it; the recheck's runs, on the first seed, go without it (budget-gpt-4000-lr2x)."""
+    rate = "" if factor == 1.0 else f"-lr{factor:g}x"
+    return f"budget-{model}-{budget}{rate}" + ("" if rate and seed == first else f"-s{seed}")
+
+
 def budget_plan(cfg, rates, better=None):
     """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
     run is a complete curve over fewer budgets), then the rate recheck at the longest, then the
@@ -457,8 +464,8 @@ def budget_plan(cfg, rates, better=None):
     budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
     evals = ["--eval_iters=2"] if cfg.quick else []
 
-    def job(name, model, budget, seed, factor, stage):
-        lr = rates[model] * factor
+    def job(model, budget, seed, factor, stage):
+        name, lr = budget_name(model, budget, seed, factor), rates[model] * factor
         argv = ["train.py", *MODELS[model][1], f"--data_root={cfg.data_root}",
                 f"--dataset={BUDGET_DATASET}", f"--max_iters={budget}",
                 f"--eval_interval={min(budget, BUDGET_EVAL)}", *evals,
@@ -467,12 +474,12 @@ def budget_plan(cfg, rates, better=None):
                     factor=factor)
         return Job(name, argv, cost=budget / ITERS, stage=stage, meta=meta)
 
-    jobs = [job(f"budget-{m}-{b}-s{seed}", m, b, seed, 1.0, 1 + i)
+    jobs = [job(m, b, seed, 1.0, 1 + i)
             for i, b in enumerate(budgets) for seed in SEEDS for m in BUDGET_MODELS]
     longest, last = budgets[-1], 1 + len(budgets)
-    jobs += [job(f"budget-{m}-{longest}-lr{x:g}x", m, longest, SEEDS[0], x, last)
+    jobs += [job(m, longest, SEEDS[0], x, last)
              for m in BUDGET_MODELS for x in RECHECK]
-    jobs += [job(f"budget-{m}-{longest}-lr{x:g}x-s{SEEDS[1]}", m, longest, SEEDS[1], x, last + 1)
+    jobs += [job(m, longest, SEEDS[1], x, last + 1)
              for m, x in (better or {}).items()]
     return jobs
 
@@ -542,13 +549,13 @@ def budget_points(b):
     for m in b["models"]:
         points[m] = []
         for budget in budgets:
-            rows = [runs.get(f"budget-{m}-{budget}-s{seed}") for seed in b["seeds"]]
+            rows = [runs.get(budget_name(m, budget, seed)) for seed in b["seeds"]]
             if all(rows):
                 points[m].append((budget, [r["val_loss"] for r in rows],
                                   [r["val_loss"] - r["train_loss"] for r in rows],
                                   rows[0]["tokens"], rows[0]["flops"]))
-        names = {1.0: f"budget-{m}-{budgets[-1]}-s{b['seeds'][0]}",
-                 **{x: f"budget-{m}-{budgets[-1]}-lr{x:g}x" for x in b["recheck"]}}
+        first = b["seeds"][0]
+        names = {x: budget_name(m, budgets[-1], first, x, first) for x in [1.0, *b["recheck"]]}
         recheck[m] = {x: runs[n]["val_loss"] if n in runs else None
                       for x, n in sorted(names.items())}
     return points, recheck
@@ -628,9 +635,7 @@ def best_rate_losses(b):
     longest, seeds = b["budgets"][-1], b["seeds"]
     found = {}
     for m, x in recheck_best(b).items():
-        names = ([f"budget-{m}-{longest}-s{seed}" for seed in seeds] if x == 1.0 else
-                 [f"budget-{m}-{longest}-lr{x:g}x"] +
-                 [f"budget-{m}-{longest}-lr{x:g}x-s{seed}" for seed in seeds[1:]])
+        names = [budget_name(m, longest, seed, x, seeds[0]) for seed in seeds]
         if all(n in b["runs"] for n in names):
             found[m] = x, [b["runs"][n]["val_loss"] for n in names]
     return found
@@ -676,7 +681,7 @@ def budget_figure(b, path):
             bars = ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, color=color,
                                label=f"{model['label']} (lr {model['learning_rate']:g})")
             color = bars[0].get_color()
-        longest = b["runs"].get(f"budget-{m}-{b['budgets'][-1]}-s{b['seeds'][0]}")
+        longest = b["runs"].get(budget_name(m, b["budgets"][-1], b["seeds"][0]))
         if longest:
             its = [e[0] for e in longest["evals"] if e[0] > 0]
             losses = [e[2] for e in longest["evals"] if e[0] > 0]
