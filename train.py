@@ -374,6 +374,9 @@ def main(argv):
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data, start)
         check_launch(cfg, mcfg)  # again: the model type may come from a checkpoint
         memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does
+        # the initial weights are those of `torch.manual_seed(seed); DiffEqFormer(mcfg)`: a function
+        # of the seed alone, whatever drew from the RNG before (the plan's meta builds draw a seed)
+        torch.manual_seed(cfg.seed)
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
         env.print(common.summary(model, cfg, env, data))
