@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-import common
+import checkpoints
 import plots
 import prepare
 from configurator import UserError, make_dir, parse_config, run_main
@@ -95,12 +95,6 @@ class ClusterConfig:
 
 
 # -- the checkpoint and the weights the forward pass multiplies by ---------------------------------
-
-def load_model(path):
-    """Any checkpoint's model (common.load_model) in float64, and its tokenizer's name."""
-    model, tokenizer = common.load_model(path)
-    return model.double().requires_grad_(False), tokenizer
-
 
 def resolve_steps(model, steps, path):
     """The number of Euler steps to analyse: --steps for an ODE checkpoint, the layers of any
@@ -402,7 +396,8 @@ def main(argv):
     if not (acfg.spectral or acfg.cluster or acfg.lyapunov):
         raise UserError("choose what to analyse: --spectral, --cluster, --lyapunov or --all")
     if acfg.spectral or acfg.lyapunov:  # every check before any work
-        model, tokenizer = load_model(acfg.init_from)
+        model, ckpt = checkpoints.load_model(acfg.init_from)
+        model = model.double().requires_grad_(False)  # the analysis is in float64
         mcfg, steps = model.cfg, resolve_steps(model, acfg.steps, acfg.init_from)
         if acfg.spectral and "times" in given and not mcfg.is_ode:
             raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, "
@@ -410,7 +405,7 @@ def main(argv):
                             f"--times applies only to an ODE checkpoint; leave it out")
         if acfg.lyapunov:
             try:
-                tok = prepare.get_tokenizer(tokenizer)
+                tok = prepare.get_tokenizer(ckpt["tokenizer"])
             except ValueError as e:
                 raise UserError(str(e)) from e
             ids = read_prompt(acfg, tok, mcfg.block_size)

@@ -9,7 +9,7 @@ GPT-2 and Llama folders back in.
 The default format, "diffeqformer", holds any model this project makes (DiffEqFormer, weight
 sharing, GPT, Llama, materialised, merged; LoRA adapters are merged into their base): config.json
 (the model config and the tokenizer's name), model.safetensors and a model card, README.md.
-`DiffEqFormer.from_pretrained(DIR)` and every script's `--init_from=DIR` load it.
+`checkpoints.load_model(DIR)` and every script's `--init_from=DIR` load it.
 
 `--format=hf` writes a GPT baseline as transformers' `GPT2LMHeadModel` and a Llama baseline as its
 `LlamaForCausalLM`, with the same logits, so that `lm_eval --model hf` and the rest of that
@@ -20,9 +20,9 @@ import json
 import os
 from dataclasses import dataclass
 
-import common
+import checkpoints
 import hf
-from configurator import UserError, parse_config, run_main
+from configurator import UserError, make_dir, parse_config, run_main
 
 FORMATS = ("diffeqformer", "hf")
 
@@ -44,7 +44,7 @@ class ExportConfig:
 def history(path):
     """What a checkpoint records of its training, for the model card: the checkpoint's own entries
     without the weights, and a fine-tuning run's results.json where there is one beside it."""
-    ckpt = common.load(path, kind=(common.MODEL, common.ADAPTERS))
+    ckpt = checkpoints.load(path, kind=(checkpoints.MODEL, checkpoints.ADAPTERS))
     facts = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "adapters")}
     results = os.path.join(os.path.dirname(os.path.abspath(path)), "results.json")
     if os.path.isfile(results) and os.path.isfile(path):
@@ -55,7 +55,7 @@ def history(path):
 
 def validation_loss(facts):
     """The validation loss a checkpoint records: a fine-tuning's last, else the best of its run."""
-    if "results" in facts and facts.get("kind") == common.ADAPTERS:
+    if "results" in facts and facts.get("kind") == checkpoints.ADAPTERS:
         return facts["results"]["after"]["val_loss"]
     loss = facts.get("best_val_loss")
     return None if loss is None or loss == float("inf") else loss
@@ -70,7 +70,7 @@ def model_card(model, tokenizer, facts, source, fmt):
                f"{train['gradient_accumulation_steps']} sequences of {cfg.block_size} tokens on "
                f"{train['dataset']} (AdamW, learning rate {train['learning_rate']:g})"
                if train else facts.get("source", "Not recorded in the checkpoint"))
-    if facts.get("kind") == common.ADAPTERS:
+    if facts.get("kind") == checkpoints.ADAPTERS:
         run = facts.get("results", {})
         trained = (f"LoRA (rank {facts['rank']}) fine-tuning of {facts['base_checkpoint']} as a "
                    f"{facts['steps']}-layer transformer ({run.get('iters', '?')} iterations on "
@@ -84,8 +84,8 @@ def model_card(model, tokenizer, facts, source, fmt):
         load = (f"from transformers import {cls}\nmodel = {cls}.from_pretrained(DIR)  "
                 f"# or: lm_eval --model hf --model_args pretrained=DIR")
     else:
-        load = "from model import DiffEqFormer  # DiffEqFormer's model.py\n" \
-               "model = DiffEqFormer.from_pretrained(DIR)  # or: python sample.py --init_from=DIR"
+        load = "import checkpoints  # in DiffEqFormer's repository\n" \
+               "model, ckpt = checkpoints.load_model(DIR)  # or: python sample.py --init_from=DIR"
     return "\n".join([
         "---", "library_name: " + ("transformers" if fmt == "hf" else "pytorch"),
         "tags: [diffeqformer, neural-ode, transformer]", "---", "",
@@ -116,8 +116,9 @@ def save_folder(model, tokenizer, out, facts):
 def export(path, out, fmt="diffeqformer"):
     """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`."""
     facts = history(path) if os.path.isfile(path) else {"source": path}
-    model, tokenizer = common.load_model(path)
-    common.make_dir(out, "out")
+    model, ckpt = checkpoints.load_model(path)
+    tokenizer = ckpt["tokenizer"]
+    make_dir(out, "out")
     if fmt == "hf":
         hf.to_transformers(model, tokenizer).save_pretrained(out)
         hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)

@@ -20,11 +20,15 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+import torch
+
+import checkpoints
 import common
 import lora
 import train
 from configurator import ConfigError, UserError, parse_config, run_main
-from model import MAX_STEPS, DiffEqFormer, ModelConfig
+from model import MAX_STEPS, ModelConfig
+from scale import resume
 
 DEFAULT_CONFIG = "config/finetune_wikitext2.py"
 
@@ -51,35 +55,24 @@ class FinetuneConfig:
 RUNTIME_KEYS = ("dropout", "checkpoint")  # what fine-tuning may set; the shape is the checkpoint's
 
 
-def load_base(path, steps, device, **overrides):
-    """The checkpoint's model as a discrete transformer of `steps` layers (an ODE is materialised),
-    with `overrides` of RUNTIME_KEYS (dropout, activation checkpointing). Built on the CPU as
-    train.py builds a model, so that the RNG, and with it LoRA's A, is what a training run's is."""
-    ckpt = common.load(path)
-    base = DiffEqFormer(ModelConfig(**{**ckpt["model_config"], **overrides}))
-    base.load_state_dict(common.clean_state_dict(ckpt["model"]))
-    return lora.at_depth(base.to(device), steps, path), ckpt
-
-
 def adapters_file(model, fcfg, base_path, base_sha256, steps):
-    return dict(kind=common.ADAPTERS, rank=fcfg.lora_rank, alpha=fcfg.lora_alpha,
+    return dict(kind=checkpoints.ADAPTERS, rank=fcfg.lora_rank, alpha=fcfg.lora_alpha,
                 dropout=fcfg.lora_dropout, targets=fcfg.lora_targets, steps=steps,
                 base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256,
                 adapters=lora.lora_state_dict(model))
 
 
 def merged_checkpoint(model, base_ckpt, extra):
-    return {"kind": common.MODEL, **extra, "model_config": model.cfg.to_dict(),
+    return {"kind": checkpoints.MODEL, **extra, "model_config": model.cfg.to_dict(),
             "model": model.state_dict(), "optimizer": None,
             "tokenizer": base_ckpt.get("tokenizer", "byte"), "iter_num": 0, "best_val_loss": None}
 
 
 def merge_file(path, base_path=None):
     """adapters.pt + its base checkpoint -> merged.pt beside it: an ordinary checkpoint."""
-    model, base_ckpt = lora.load_adapted(path, base_path)
-    lora.merge_lora(model)
+    model, base_ckpt = checkpoints.load_model(path, merge_base=base_path)
     out = os.path.join(os.path.dirname(os.path.abspath(path)), "merged.pt")
-    common.save(merged_checkpoint(model, base_ckpt, dict(merged_from=os.path.abspath(path))), out)
+    checkpoints.save(merged_checkpoint(model, base_ckpt, dict(merged_from=os.path.abspath(path))), out)
     return out
 
 
@@ -119,31 +112,33 @@ def main(argv):
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     # a Hub name (gpt2, owner/name) downloaded, or offline refused, before out_dir is claimed
-    source = None if cfg.init_from == "resume" else common.resolve(cfg.init_from)
+    source = None if cfg.init_from == "resume" else checkpoints.resolve(cfg.init_from)
     lock = None
     try:
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         run = None
         if cfg.init_from == "resume":  # out_dir's fine-tuning run: its base, steps, LoRA settings
-            run = train.load_run(cfg, env, kind=(common.LORA_RUN, common.MODEL))
+            run = resume.load_run(cfg, env, kind=(checkpoints.LORA_RUN, checkpoints.MODEL))
             if "finetune_config" not in run:
                 raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: "
                                 f"resume it with train.py")
             fcfg = FinetuneConfig(**run["finetune_config"])
-            lora.check_base(run["base_checkpoint"], run["base_sha256"])
+            checkpoints.check_base(run["base_checkpoint"], run["base_sha256"])
         base_path = run["base_checkpoint"] if run else source
         overrides = {k: getattr(mcfg, k) for k in RUNTIME_KEYS if k in given}
-        model, base_ckpt = load_base(base_path, fcfg.steps, env.device, **overrides)
+        base, base_ckpt = checkpoints.load_model(base_path, kind=checkpoints.MODEL, **overrides)
+        model = lora.at_depth(base.train(), fcfg.steps, base_path).to(env.device)
         base_sha256 = run["base_sha256"] if run else common.on_master(
-            env, lambda: common.file_hash(base_path), "read the base")
+            env, lambda: checkpoints.file_hash(base_path), "read the base")
         steps = model.cfg.n_layer
-        tokenizer = base_ckpt.get("tokenizer", cfg.tokenizer)
+        tokenizer = base_ckpt["tokenizer"]
         if "tokenizer" in given and cfg.tokenizer != tokenizer:
             raise UserError(f"--tokenizer={cfg.tokenizer} differs from the checkpoint's tokenizer "
                             f"({tokenizer})")
         cfg = train.TrainConfig(**{**asdict(cfg), "tokenizer": tokenizer})
         data = common.prepare_data(cfg, env)
         if fcfg.lora:
+            torch.manual_seed(cfg.seed)  # LoRA's A: a function of the seed alone, as train.py's init
             lora.add_lora(model, fcfg.lora_rank, fcfg.lora_alpha, fcfg.lora_dropout,
                           fcfg.lora_targets)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -157,7 +152,7 @@ def main(argv):
                      base_checkpoint=os.path.abspath(base_path), base_sha256=base_sha256,
                      wandb_id=(run or {}).get("wandb_id"))  # a resumed run's wandb run goes on
         if fcfg.lora:
-            extra["kind"] = common.LORA_RUN
+            extra["kind"] = checkpoints.LORA_RUN
         wrapped, optimizer, start, best = train.setup_run(model, cfg, env, run)
         train.fit(wrapped, optimizer, cfg, env, data, extra, start, best)
         if env.master:
@@ -177,7 +172,7 @@ def save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable):
     path = os.path.join(cfg.out_dir, "adapters.pt" if fcfg.lora else "ckpt.pt")  # full: fit's
     if fcfg.lora:
         adapters = adapters_file(model, fcfg, extra["base_checkpoint"], extra["base_sha256"], steps)
-        common.save(adapters, path)
+        checkpoints.save(adapters, path)
     before, after = history[0], history[-1]
     results = dict(base_checkpoint=extra["base_checkpoint"],
                    base_model_type=base_ckpt["model_config"]["model_type"], steps=steps,

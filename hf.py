@@ -11,7 +11,6 @@ import os
 
 import torch
 
-import common
 import prepare
 from configurator import UserError
 from model import EPS, ModelConfig
@@ -121,9 +120,10 @@ def to_transformers(model, tokenizer):
 
 
 def from_transformers(path, config):
-    """The checkpoint dict of a transformers GPT2LMHeadModel or LlamaForCausalLM folder: loaded by
-    transformers' from_pretrained, then renamed; the vocabulary padded to a multiple of 64 with rows
-    that never get probability (tokenizer_vocab)."""
+    """(model config dict, our state dict, tokenizer name, where it came from) of a transformers
+    GPT2LMHeadModel or LlamaForCausalLM folder: loaded by transformers' from_pretrained, then
+    renamed; the vocabulary padded to a multiple of 64 with rows that never get probability
+    (tokenizer_vocab)."""
     try:
         import transformers
     except ImportError:
@@ -161,9 +161,7 @@ def from_transformers(path, config):
         if name in state:
             state[name] = torch.cat([state[name], state[name].new_zeros(cfg.vocab_size - vocab,
                                                                         cfg.n_embd)])
-    return {"kind": common.MODEL, "model_config": cfg.to_dict(), "model": state,
-            "tokenizer": tokenizer, "optimizer": None, "iter_num": 0, "best_val_loss": None,
-            "source": f"transformers {type(hf).__name__} from {path}"}
+    return cfg.to_dict(), state, tokenizer, f"transformers {type(hf).__name__} from {path}"
 
 
 def transformers_tokenizer(name, max_length):

@@ -9,17 +9,15 @@ computes exactly what it computed before.
 
 The blocks read weights, not inputs (model.py calls F.linear with the weight), so LoRA dropout acts
 on the weight's low-rank path: it drops whole input columns of A, as dropout on the input of that
-path would. An adapters file names its base checkpoint and its sha256; `load_adapted` refuses a base
-that has changed.
+path would. An adapters file names its base checkpoint and its sha256; checkpoints.load_model
+refuses a base that has changed.
 """
 import math
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
 
-import common
 from configurator import UserError
 from model import block_shapes
 
@@ -99,32 +97,3 @@ def at_depth(model, steps, path):
                         f"DiffEqFormer (diffeq or shared) has a depth that is a solver step count; "
                         f"use --steps {cfg.n_layer} or 0")
     return model
-
-
-def check_base(path, sha256):
-    """Refuse a base checkpoint that is not the file the adapters (or a run) were trained on."""
-    if not os.path.exists(path):  # a checkpoint file, or a folder (exported, or from the Hub)
-        raise UserError(f"the base checkpoint {path} does not exist: the adapters were trained on "
-                        f"it; if it moved, name it with --merge_base=PATH")
-    if common.file_hash(path) != sha256:
-        raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run "
-                        f"started (its sha256 no longer matches): adapters on it would be folded "
-                        f"into the wrong weights; keep the original base at that path, or name it "
-                        f"with --merge_base=PATH when merging")
-
-
-def load_adapted(path, base_path=None):
-    """An adapters file on its base checkpoint (the recorded one, or `base_path` if it moved,
-    checked by its sha256): (the base at the adapters' depth, adapters in place; its checkpoint)"""
-    adapters = common.load(path, kind=common.ADAPTERS)
-    base_path = base_path or adapters["base_checkpoint"]
-    check_base(base_path, adapters["base_sha256"])
-    base_ckpt = common.load(base_path)
-    model = at_depth(common.model_from(base_ckpt, base_path).train(), adapters["steps"], base_path)
-    add_lora(model, adapters["rank"], adapters["alpha"], targets=adapters["targets"])
-    result = model.load_state_dict(adapters["adapters"], strict=False)
-    missing = [k for k in result.missing_keys if ".lora_" in k]
-    if result.unexpected_keys or missing:
-        raise UserError(f"{path} does not fit its base checkpoint (for example "
-                        f"{(result.unexpected_keys + missing)[0]})")
-    return model, base_ckpt

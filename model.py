@@ -429,44 +429,36 @@ class DiffEqFormer(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # the tied GPT head counted once
 
-    @classmethod
-    def from_pretrained(cls, path):
-        """The model of an exported folder (export.py), a Hub id or any checkpoint file."""
-        import common  # common imports this file
-        return common.load_model(path)[0]
-
     # -- the forward pass --------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None, offsets=None, weights=None,
-                input_pos=None, mask=None, caches=None, last_only=False):
-        """Logits (B, T, vocab) and the mean cross-entropy with targets (ignore index -1) or None.
-        offsets (steps,): Euler's times moved back inside their steps (step_weights). weights: an
-        ODE's weights at every stage time, as step_weights makes them (train.py makes them once per
-        optimizer step). input_pos (T,), mask (T, S) and caches: the positions of idx's tokens, what
-        they see, and one (KV cache, slots) per evaluation of F (sample.py decodes with them).
-        last_only: the last position's logits only."""
+    def forward(self, idx, targets=None, steps=None, solver=None, weights=None, cache=None):
+        """Logits (B, T, vocab) and the mean cross-entropy with targets (ignore index -1), or None.
+        steps, solver: an ODE's depth and solver (default: n_layer Euler steps). weights: an ODE's
+        block weights at every stage time, as step_weights makes them, for callers that make them
+        once for many passes (train.py per optimizer step, sample.py per generation). cache, while
+        decoding (sample.py's Decode): `pos` (T,), the positions of idx's tokens; `mask` (T, S),
+        the cache slots each sees; `kv`, one KV cache per evaluation of F, written at `slots` (T,);
+        then only the last position's logits are computed, (B, 1, vocab)."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
         B, T = idx.size()
-        if T > cfg.block_size and (cfg.flavor == "gpt" or caches is not None):
+        if T > cfg.block_size and (cfg.flavor == "gpt" or cache is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
-        if last_only and targets is not None:
-            raise ValueError("last_only=True computes one position's logits: no loss to targets")
+        if cache is not None and targets is not None:
+            raise ValueError("decoding computes the last position's logits only: no loss to targets")
         dropout = cfg.dropout if self.training else 0.0
-        pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos  # (T,)
+        pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,)
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(pos)
         x = F.dropout(x, dropout, dropout > 0)
         hs = cfg.n_embd // cfg.n_head
         rope = rope_tables(pos, hs, x.dtype) if cfg.flavor == "llama" else None
+        mask, caches = (None, None) if cache is None else (cache.mask, [(kv, cache.slots)
+                                                                       for kv in cache.kv])
         if mask is None and T > cfg.block_size:  # a RoPE model past its context: a sliding window
             mask = sliding_window_mask(pos, pos, cfg.block_size)
-        if offsets is not None:  # any-depth training (METHOD 8.2): Euler's times moved
-            if weights is not None or not cfg.is_ode:
-                raise ValueError("offsets move an ODE's generated times: give them without weights")
-            weights = self.step_weights(steps, solver, offsets)
         x = self.integrate(x, steps, solver, rope, dropout, weights, mask, caches)
-        if last_only:
+        if cache is not None:  # decoding: the next token needs the last position only
             x = x[:, -1:]
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.ln_f(x), head)  # (B, T, vocab)

@@ -19,11 +19,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoints
 import common
 import prepare
 from configurator import UserError, parse_config, run_main
@@ -110,12 +112,36 @@ def cache_mask(pos, L):
     return sliding_window_mask(pos, held, L) & (held >= 0), pos % L
 
 
+class Decode(NamedTuple):
+    """What forward needs to decode through the KV caches: the positions of the tokens fed now
+    (T,), which cache slots each sees (T, L), the slots they are written to (T,), and one KVCache
+    per evaluation of F."""
+    pos: torch.Tensor
+    mask: torch.Tensor
+    slots: torch.Tensor
+    kv: list
+
+
+@dataclass
+class DecodingState:
+    """One generation's state, kept outside the model: zeroed KV caches (batch_size, n_head,
+    max_len, head_size), one per evaluation of F (each solver stage is an attention of its own),
+    and an ODE's block weights at every stage time, generated once for the whole generation."""
+    kv: list
+    weights: list
+    steps: int
+    solver: str
+
+    def at(self, pos):
+        """The Decode of tokens at positions pos (T,): written into slots pos % max_len."""
+        mask, slots = cache_mask(pos, self.kv[0].k.size(2))
+        return Decode(pos, mask, slots, self.kv)
+
+
 @torch.no_grad()
 def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
-    """The decoding state: zeroed KV caches (batch_size, n_head, max_len, head_size), one per
-    evaluation of F (each solver stage is an attention of its own), and an ODE's block weights at
-    every stage time, generated once for the whole generation. The caches take the autocast dtype
-    when autocast is on (call this inside it), else the parameters' dtype."""
+    """The DecodingState of a generation of at most max_len positions in the caches. The caches
+    take the autocast dtype when autocast is on (call this inside it), else the parameters'."""
     cfg, device = model.cfg, model.wte.weight.device
     if not 1 <= max_len <= cfg.block_size:
         raise ValueError(f"max_len={max_len} must be in 1..block_size={cfg.block_size}")
@@ -124,10 +150,9 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
     evaluations = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
     hs = cfg.n_embd // cfg.n_head
-    caches = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
-              for _ in range(evaluations)]
+    kv = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype) for _ in range(evaluations)]
     weights = model.step_weights(steps, solver) if cfg.is_ode else None
-    return dict(caches=caches, weights=weights, steps=steps, solver=solver)
+    return DecodingState(kv, weights, steps, solver)
 
 
 def prefill(model, idx, state):
@@ -140,10 +165,8 @@ def prefill(model, idx, state):
 def decode_one_token(model, idx, input_pos, state):
     """The next-token logits (B, vocab) after idx (B, 1) at position input_pos (1,), through the KV
     caches: the step that generate repeats and `torch.compile(..., fullgraph=True)` compiles."""
-    mask, slots = cache_mask(input_pos, state["caches"][0].k.size(2))
-    caches = [(kv, slots) for kv in state["caches"]]  # every evaluation writes the same slots
-    logits, _ = model(idx, steps=state["steps"], solver=state["solver"], weights=state["weights"],
-                      input_pos=input_pos, mask=mask, caches=caches, last_only=True)
+    logits, _ = model(idx, steps=state.steps, solver=state.solver, weights=state.weights,
+                      cache=state.at(input_pos))
     return logits[:, -1]
 
 
@@ -239,11 +262,11 @@ def encode_prompt(text, tok, vocab_size):
 def main(argv):
     cfg, _ = parse_config(argv, SampleConfig)
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
-    model, tokenizer = common.load_model(cfg.init_from)
+    model, ckpt = checkpoints.load_model(cfg.init_from)
     model.to(env.device)
     steps, solver = solver_args(model, cfg, cfg.init_from)
     try:
-        tok = prepare.get_tokenizer(tokenizer)
+        tok = prepare.get_tokenizer(ckpt["tokenizer"])
     except ValueError as e:
         raise UserError(str(e)) from e
     ids = encode_prompt(read_prompt(cfg.start), tok, model.cfg.vocab_size)

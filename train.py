@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import checkpoints
 import common
 import plots
 import prepare
+import runlog
 from configurator import ConfigError, Interrupted, UserError, int_range, parse_config, run_main
-from model import MAX_STEPS, DiffEqFormer, ModelConfig, unbind_times
-from scale import checkpoint, memory, parallel
-from scale.checkpoint import load_run  # noqa: F401 (finetune.py resumes with it)
+from model import MAX_STEPS, DiffEqFormer, ModelConfig
+from scale import memory, parallel, resume
 from scale.weightgen import WeightGenerator
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
@@ -86,7 +87,7 @@ class TrainConfig:
     # any-depth training of an ODE (METHOD 8): the step count and times drawn per iteration
     train_steps: str = ""  # ODE step counts, a range "3-9" drawn per iteration ("": n_layer)
     time_jitter: bool = False  # each Euler step at a random time within the step, not at its end
-    peak_flops: float = 0.0  # peak FLOP/s of one device for MFU (0: a known GPU's, else measured)
+    peak_flops: float = 0.0  # peak FLOP/s of one device for MFU (0: a GPU's; a CPU shows none)
     convert: str = ""  # a sharded checkpoint folder: write the one-file ckpt.pt beside it, and stop
 
     def __post_init__(self):
@@ -141,16 +142,11 @@ def iteration_steps(it, cfg, mcfg):
 
 @torch.no_grad()
 def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
-    """Mean loss over eval_iters fixed batches of each split, divided among the processes, the ODE's
-    weights generated once. Every process runs as many forward passes (FSDP's collectives must pair
-    up); the passes past eval_iters count with weight 0."""
+    """Mean loss over eval_iters fixed batches of each split, divided among the processes, an ODE's
+    weights generated once by `gen` (as train_step's). Every process runs as many forward passes
+    (FSDP's collectives must pair up); the passes past eval_iters count with weight 0."""
     model.eval()
-    raw = parallel.unwrap(model)
-    weights = None
-    if gen is not None:  # a sharded hypernetwork (scale/weightgen.py)
-        weights = gen.generate(steps, solver, grad=False)
-    elif raw.cfg.model_type == "diffeq" and not parallel.sharded(cfg, env):
-        weights = raw.step_weights(*raw.check_steps(steps, solver))
+    weights = gen.generate(steps, solver, grad=False) if gen else None
     out = {}
     for split, data in batches.items():
         total = torch.zeros(2, device=env.device)
@@ -164,7 +160,7 @@ def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
         if env.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
-    if gen is not None:
+    if gen:
         gen.release()
     model.train()
     return out
@@ -174,37 +170,25 @@ def train_step(model, optimizer, batches, it, cfg, env, gen=None):
     """One optimizer step over this process's micro-steps; returns its mean loss and the gradient
     norm before clipping (tensors), the ODE step count it trained with, and whether float16's loss
     scaling skipped the step. Dropout masks come from an RNG seeded by (seed, iteration, rank), so
-    that a resumed run repeats them."""
+    that a resumed run repeats them. `gen`, for a diffeq model: its weights once per optimizer step
+    (METHOD 8.1), W(t_k) at this iteration's times made once as leaves that collect dL/dW over the
+    micro-steps, then pulled back into the hypernetwork once (scale/weightgen.py)."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
     steps, offsets = iteration_steps(it, cfg, raw.cfg)
     accum = cfg.gradient_accumulation_steps // env.world_size  # check_launch made sure it divides
-    W = leaves = None
-    if gen is not None:  # a sharded hypernetwork: the same, process by process (scale/weightgen.py)
-        gen.generate(steps, offsets=offsets)
-    elif parallel.generates_once(raw, cfg):  # the ODE's weights once per step (METHOD 8.1):
-        W = raw.hyper(raw.times(steps, raw.cfg.solver, offsets))  # one hypernetwork call, all times
-        leaves = {name: [None if w is None else w.detach().requires_grad_() for w in pair]
-                  for name, pair in W.items()}  # detached: each collects dL/dW over the micro-steps
+    if gen:
+        gen.generate(steps, offsets=offsets)  # W(t_k) for every stage time: one hypernetwork call
     total = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = batches.get(it, micro * env.world_size + env.rank)
-        weights = unbind_times(leaves) if leaves else gen.weights() if gen else None
         with parallel.sync(model, micro == accum - 1, cfg, env):
             with env.autocast():
-                offsets_ = None if weights else offsets  # generated with the weights, or in forward
-                _, loss = model(x, y, steps=steps, offsets=offsets_, weights=weights)
+                _, loss = model(x, y, steps=steps, weights=gen.weights() if gen else None)
             env.scaler.scale(loss / accum).backward()  # float16: times the loss scale
         total += loss.detach() / accum
-    if leaves:  # dL/dW of every micro-step, averaged over the processes, into the hypernetwork
-        pairs = [(w, leaf.grad) for n in W for w, leaf in zip(W[n], leaves[n]) if w is not None]
-        if env.distributed:  # every process pulls back the same dL/dW, averaged over them
-            for _, grad in pairs:
-                dist.all_reduce(grad)
-                grad.div_(env.world_size)
-        torch.autograd.backward(*zip(*pairs))
-    elif gen is not None:
-        gen.backward()
+    if gen:
+        gen.backward()  # dL/dW of every micro-step, averaged over the processes, into the hypernetwork
     env.scaler.unscale_(optimizer)  # float16: divided by the scale again, before clipping
     norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
     if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm); norm: logged, unclipped
@@ -223,15 +207,15 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     raw = parallel.unwrap(model)
     mcfg = raw.cfg
     once = parallel.generates_once(raw, cfg)
-    gen = WeightGenerator(raw, env.dtype) if once and parallel.sharded(cfg, env) else None
+    gen = WeightGenerator(raw, env.dtype) if once else None  # the ODE's weights once per step
     batches = {split: common.Batches(prepare.load_tokens(data, split), mcfg.block_size,
                                      cfg.batch_size, env.device, cfg.seed, i)
                for i, split in enumerate(("train", "val"))}
     tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
     hyper_params = sum(p.numel() for n, p in raw.named_parameters() if n.startswith("hyper."))
     per_generation = tokens_per_iter // env.world_size if once else cfg.batch_size * mcfg.block_size
-    peak = common.peak_flops(env, cfg.peak_flops) * env.world_size
-    log = common.RunLog(cfg, start_iter, env.master, {**asdict(cfg), **mcfg.to_dict()},
+    peak = runlog.peak_flops(env, cfg.peak_flops)  # one device's, or None: no MFU on a CPU
+    log = runlog.RunLog(cfg, start_iter, env.master, {**asdict(cfg), **mcfg.to_dict()},
                         extra.get("wandb_id"))
     history, interrupt = [], common.Interrupt(env)
     model.train()
@@ -253,7 +237,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         stop = it < end and interrupt.asked()  # Ctrl-C: save this iteration, stop; twice: at once
         if (evaluating and it > start_iter) or stop:
             state = dict(iter_num=it, best_val_loss=best_val_loss, wandb_id=log.wandb_id)
-            checkpoint.save_run(model, optimizer, state, cfg, env, extra)
+            resume.save_run(model, optimizer, state, cfg, env, extra)
             if env.master:
                 plots.loss_curve(log.path, os.path.join(cfg.out_dir, "loss.png"))
         if stop:
@@ -273,10 +257,13 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         loss, norm = loss.item(), norm.item()  # the norm: every process's (FSDP2: all shards')
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
-        mfu = common.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s / peak
-        bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{norm:.3g}", tok_s=f"{tok_s:,.0f}",
-                        mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.1e}")
-        row = dict(iter=it, loss=loss, lr=lr, tok_s=tok_s, mfu=mfu, grad_norm=norm)
+        row = dict(iter=it, loss=loss, lr=lr, tok_s=tok_s, grad_norm=norm)
+        shown = dict(loss=f"{loss:.4f}", grad_norm=f"{norm:.3g}", tok_s=f"{tok_s:,.0f}")
+        flops = runlog.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s
+        if peak and flops <= peak * env.world_size:  # above it, a --peak_flops was too low
+            row["mfu"] = flops / (peak * env.world_size)
+            shown["mfu"] = f"{100 * row['mfu']:.1f}%"
+        bar.set_postfix(**shown, lr=f"{lr:.1e}")
         if env.scaler.is_enabled():  # float16: the loss scale, and every step it skipped
             row.update(loss_scale=env.scaler.get_scale(), skipped=skipped)
         if it % cfg.log_interval == 0 or skipped:
@@ -299,6 +286,10 @@ def check_launch(cfg, mcfg):
     if (cfg.train_steps or cfg.time_jitter) and not mcfg.is_ode:
         raise ConfigError(f"--train_steps and --time_jitter train an ODE; a {mcfg.model_type} "
                           f"model has fixed layers")
+    if cfg.time_jitter and not (mcfg.model_type == "diffeq" and cfg.generate_once):
+        raise ConfigError("--time_jitter moves the times at which a diffeq model's weights are "
+                          "generated once per optimizer step: it needs model_type=diffeq and "
+                          "--generate_once (the default)")
     accum = cfg.gradient_accumulation_steps
     if accum % world:
         rounded = accum + (-accum) % world
@@ -315,11 +306,11 @@ def setup_run(model, cfg, env, ckpt=None):
     model = parallel.build(model, cfg, env)
     optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
     if cfg.init_from == "resume":
-        checkpoint.restore_run(model, optimizer, ckpt, cfg, env)
+        resume.restore_run(model, optimizer, ckpt, cfg, env)
         env.print(f"resumed from iteration {ckpt['iter_num']}")
         return model, optimizer, ckpt["iter_num"], ckpt["best_val_loss"]
     if ckpt is not None:
-        checkpoint.load_weights(model, ckpt, cfg, env)
+        resume.load_weights(model, ckpt, cfg, env)
         env.print(f"starting from the weights of {cfg.init_from}")
     return model, optimizer, 0, float("inf")
 
@@ -335,8 +326,8 @@ def model_config_for(mcfg, cfg, env, given, data, start=None):
             raise UserError(f"vocab_size={size} is smaller than the tokenizer's {vocab}")
         padded = dict(vocab_size=size, tokenizer_vocab=vocab if size > vocab else 0)
         return ModelConfig(**{**mcfg.to_dict(), **padded}), None
-    resume = cfg.init_from == "resume"
-    ckpt = checkpoint.load_run(cfg, env) if resume else start
+    resuming = cfg.init_from == "resume"
+    ckpt = resume.load_run(cfg, env) if resuming else start
     changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}
     saved = ModelConfig(**{**ckpt["model_config"], **changes})  # a run may change only these
     if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
@@ -357,7 +348,7 @@ def main(argv):
     if cfg.dry_run:  # a tiktoken model plans with GPT-2's vocabulary (the default)
         return memory.dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if cfg.convert:  # a sharded folder -> ckpt.pt beside it
-        return checkpoint.convert_sharded(cfg.convert)
+        return resume.convert_sharded(cfg.convert)
     cfg = check_launch(cfg, mcfg)
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None
@@ -365,7 +356,7 @@ def main(argv):
         if cfg.init_from == "scratch":  # fail fast: refuse the plan before any download
             memory.check(mcfg, cfg, env)
         # the weights to start from: a checkpoint, a folder, GPT-2 (gpt2 ... gpt2-xl) or a Hub id
-        start = None if cfg.init_from in ("scratch", "resume") else common.load(cfg.init_from)
+        start = None if cfg.init_from in ("scratch", "resume") else checkpoints.load(cfg.init_from)
         if start and "tokenizer" not in given:  # its tokens, unless the user chose others
             cfg = dataclasses.replace(cfg, tokenizer=start.get("tokenizer", cfg.tokenizer))
         prepare.get_tokenizer(cfg.tokenizer)  # offline and not cached: one line, before the data
@@ -379,7 +370,7 @@ def main(argv):
         torch.manual_seed(cfg.seed)
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
-        env.print(common.summary(model, cfg, env, data))
+        env.print(runlog.summary(model, cfg, env, data))
         model, optimizer, start, best = setup_run(model, cfg, env, ckpt)
         resumed = ckpt if cfg.init_from == "resume" else {}  # its wandb run goes on
         extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import common
+import runlog
 import sample
 import train
 from configurator import ConfigError, fields_of, parse_config, read_config_file, run_main, split_args
@@ -137,7 +138,7 @@ def forward_flops(mcfg, T, keys, logit_rows, evals=None, hyper_params=0):
     parameter per evaluation) when hyper_params is given."""
     evals = evals or mcfg.n_layer
     C = mcfg.n_embd
-    return (2 * T * evals * common.block_params(mcfg) + 4 * evals * C * keys + 2 * logit_rows * C * mcfg.vocab_size
+    return (2 * T * evals * runlog.block_params(mcfg) + 4 * evals * C * keys + 2 * logit_rows * C * mcfg.vocab_size
             + 2 * evals * hyper_params)
 
 
@@ -226,13 +227,13 @@ def decode_cached(model, prompt, n, env, decode=None):
 
 def decode_recomputed(model, prompt, n, env):
     """Greedy decoding without a cache, as nanoGPT's generate: the whole prefix (at most block_size
-    tokens) again for every token, with the head on the last position only."""
+    tokens) again for every token, through the plain forward pass (the head on every position)."""
     @torch.no_grad()
     def run():
         idx = prompt
         with env.autocast():
             for _ in range(n):
-                logits, _ = model(idx[:, -model.cfg.block_size:], last_only=True)
+                logits, _ = model(idx[:, -model.cfg.block_size:])
                 idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
     return run
 

@@ -121,7 +121,7 @@ def setup_run(mcfg, tcfg, env):
     model = parallel.build(model, tcfg, env)
     raw = parallel.unwrap(model)
     optimizer = train.configure_optimizer(raw, tcfg, env.device)
-    gen = WeightGenerator(raw, env.dtype) if sharded and parallel.generates_once(raw, tcfg) else None
+    gen = WeightGenerator(raw, env.dtype) if parallel.generates_once(raw, tcfg) else None
     tokens = np.random.default_rng(0).integers(0, mcfg.vocab_size, 1 << 20).astype(np.uint16)
     batches = common.Batches(tokens, mcfg.block_size, tcfg.batch_size, env.device, 0, 0)
     return (lambda it: train.train_step(model, optimizer, batches, it, tcfg, env, gen)), model, raw, optimizer, gen
@@ -317,8 +317,8 @@ def memory_probe(cfg, argv):
     import train
     base = rss()
     import plots
-    from scale import checkpoint
-    checkpoint.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak
+    from scale import resume
+    resume.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak
     plots.loss_curve = lambda *a, **k: None
     train.main(last_wins(argv))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base

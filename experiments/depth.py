@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoints
 import common
 import plots
 import prepare
@@ -135,20 +136,14 @@ def gradient_cosine(model, x, y):
     return F.cosine_similarity(*grads, dim=0).item()
 
 
-def load_ode(path, device):
-    """The checkpoint's model (an ODE, else one error line) and its checkpoint dict."""
-    ckpt = common.load(path)
-    model = common.model_from(ckpt, path)
-    if not model.cfg.is_ode:
-        raise UserError(f"{path} holds a {model.cfg.model_type} model with {model.cfg.n_layer} fixed layers: only an "
-                        f"ODE checkpoint (diffeq or shared) runs at other step counts")
-    return model.to(device), ckpt
-
-
 def main(argv):
     cfg, _ = parse_config(argv, DepthConfig)
     env = common.setup(cfg.device, "float32", cfg.seed)
-    model, ckpt = load_ode(cfg.init_from, env.device)
+    model, ckpt = checkpoints.load_model(cfg.init_from)
+    if not model.cfg.is_ode:
+        raise UserError(f"{cfg.init_from} holds a {model.cfg.model_type} model with {model.cfg.n_layer} fixed layers: "
+                        f"only an ODE checkpoint (diffeq or shared) runs at other step counts")
+    model.to(env.device)
     known = {k: v for k, v in ckpt.get("train_config", {}).items() if k in train.TrainConfig.__dataclass_fields__}
     tcfg = train.TrainConfig(**{**known, "eval_iters": cfg.eval_iters, "batch_size": cfg.batch_size, "seed": cfg.seed})
     data = common.prepare_data(tcfg, env)  # the validation text the checkpoint was trained against

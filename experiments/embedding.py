@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-import common
+import checkpoints
 import train
 from configurator import parse_config, run_main
 from model import DiffEqFormer, ModelConfig
@@ -43,7 +43,7 @@ def start_checkpoint(std, cfg, path):
     torch.manual_seed(cfg.seed)
     model = DiffEqFormer(mcfg)  # token embedding ~ N(0, 0.02^2): the same draws for every std
     model.wte.weight.data.mul_(std / 0.02)
-    common.save(dict(kind=common.MODEL, model_config=mcfg.to_dict(), model=model.state_dict(),
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=mcfg.to_dict(), model=model.state_dict(),
                      tokenizer=tcfg.tokenizer), path)
 
 

@@ -7,7 +7,7 @@ Downstream evaluation with EleutherAI's lm-evaluation-harness (the paper's Table
     python -m experiments.eval --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
 
 lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when this module runs. The
-checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with common.load_model (every kind:
+checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with checkpoints.load_model (every kind:
 DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
 text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
 
@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoints
+import common
 import plots
 import prepare
-import common
 import sample
 from configurator import ConfigError, UserError, parse_config, run_main
 from model import time_dtype
@@ -224,7 +225,8 @@ def model_args_config(model_args, defaults=None):
 
 def load_lm(path, cfg, env):
     """The checkpoint at `path` as an lm-eval model, at cfg's steps and solver."""
-    model, tokenizer = common.load_model(path)
+    model, ckpt = checkpoints.load_model(path)
+    tokenizer = ckpt["tokenizer"]
     model.to(env.device)
     steps, solver = sample.solver_args(model, cfg, path)
     mcfg = model.cfg

@@ -42,8 +42,11 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+import checkpoints
 import prepare
+import runlog
 from configurator import UserError, parse_config, run_main
+from model import DiffEqFormer, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the jobs run there
 RESULTS = os.path.join(ROOT, "results")
@@ -275,9 +278,7 @@ def results_of(runs):
 
 
 def num_params(run_dir):
-    import common
-    from model import DiffEqFormer, ModelConfig
-    return DiffEqFormer(ModelConfig(**common.load(os.path.join(run_dir, "ckpt.pt"))["model_config"])).num_params()
+    return DiffEqFormer(ModelConfig(**checkpoints.load(os.path.join(run_dir, "ckpt.pt"))["model_config"])).num_params()
 
 
 def mean_spread(values):
@@ -486,16 +487,14 @@ def budget_plan(cfg, rates, better=None):
 
 def budget_row(job, folder, argv, seconds):
     """What results.json keeps of a finished budget job: its last evaluation, every evaluation, and
-    its tokens and training FLOPs (common.flops_per_token: 3 x the forward pass)."""
-    import common
-    from model import DiffEqFormer, ModelConfig
+    its tokens and training FLOPs (runlog.flops_per_token: 3 x the forward pass)."""
     rows = [json.loads(line) for line in open(os.path.join(folder, "log.jsonl"))]
     evals = [r for r in rows if "val_loss" in r]
-    mcfg = ModelConfig(**common.load(os.path.join(folder, "ckpt.pt"))["model_config"])
+    mcfg = ModelConfig(**checkpoints.load(os.path.join(folder, "ckpt.pt"))["model_config"])
     model = DiffEqFormer(mcfg)
     hyper = sum(p.numel() for n, p in model.named_parameters() if n.startswith("hyper."))
     per_iter = BATCH * mcfg.block_size
-    per_token = common.flops_per_token(mcfg, hyper, per_iter)
+    per_token = runlog.flops_per_token(mcfg, hyper, per_iter)
     tokens = job.meta["budget"] * per_iter
     return dict(**job.meta, val_loss=evals[-1]["val_loss"], train_loss=evals[-1]["train_loss"],
                 params=model.num_params(), tokens=tokens, flops_per_token=per_token,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import common
+import checkpoints
 import train
 from configurator import int_range, parse_config, run_main
 from experiments.reproduce import ROOT, Job, final_val_loss, run
@@ -50,7 +50,7 @@ def initial_weights(seed, draw, path):
     for _ in range(draw - 1):  # the meta builds of the memory plan, each drawing an init_seed
         torch.randint(2 ** 62, ())
     model = DiffEqFormer(mcfg)
-    common.save(dict(kind=common.MODEL, model_config=mcfg.to_dict(), model=model.state_dict(),
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=mcfg.to_dict(), model=model.state_dict(),
                      tokenizer="byte"), path)
 
 

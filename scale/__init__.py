@@ -3,7 +3,7 @@ DiffEqFormer at scale, applied from outside the model (torchtitan's way): model.
 parallelism, and train.py reaches each piece here in one call.
 
     parallel.py    compile, then DDP or FSDP2 (fully_shard per unit), and the seeded sharded init
-    weightgen.py   the ODE's weights generated where the hypernetwork is sharded, once per step
+    weightgen.py   the ODE's weights once per optimizer step: one process, DDP, or sharded (FSDP2)
     memory.py      the memory plan: refused before the model is built, printed by --dry_run
-    checkpoint.py  sharded checkpoints (every rank writes its shards) and their conversion to a file
+    resume.py      a run's checkpoint: ckpt.pt, or sharded (every rank writes its shards), resumed
 """

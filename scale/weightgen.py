@@ -1,17 +1,18 @@
 """
-The ODE's weights once per optimizer step, generated where the hypernetwork is sharded (FSDP2).
-
-On one process and under DDP, train.train_step does this in a few visible lines (METHOD 8): one
-hypernetwork call, detached leaves that collect dL/dW over the micro-steps, one backward into the
-hypernetwork (under DDP, dL/dW is all-reduced first: as many bytes as a GPT's gradients). Under
-FSDP2 the hypernetwork's parameters are sharded, and gathering them (6.5B for the ODE Llama-1B) is
-what sharding avoids. This file does the same steps without gathering A_W:
+The ODE's weights once per optimizer step (METHOD 8.1): the one place where train.py's train_step and
+evaluate get a diffeq model's weights, on one process, under DDP and under FSDP2.
 
     gen.generate(steps)                    # W(t_k) for every stage time t_k, as leaves
     for x, y in micro_batches:
         _, loss = model(x, y, weights=gen.weights())
-        (loss / accum).backward()          # dL/dW(t_k) += ..., kept in float32
+        (loss / accum).backward()          # dL/dW(t_k) += ...
     gen.backward()                         # dL/dtheta = (dW/dtheta)^T dL/dW, once
+
+On one process and under DDP this is one HyperNetwork.forward (model.py) for all the times, detached
+leaves that collect dL/dW over the micro-steps, and one backward into the hypernetwork; under DDP,
+dL/dW is all-reduced first (as many bytes as a GPT's gradients). Under FSDP2 the hypernetwork's
+parameters are sharded, and gathering them (6.5B for the ODE Llama-1B) is what sharding avoids: the
+same steps run without gathering A_W.
 
 FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first dimension, which is the flat index
 of W's entries: the process holding rows [a, b) of them generates columns [a, b) of the flat W(t)
@@ -19,21 +20,21 @@ of W's entries: the process holding rows [a, b) of them generates columns [a, b)
 (bf16 on CUDA), dL/dW is reduce-scattered back to them in float32, and the pull-back into A_W and
 B_W is local. Biases (C_W) and norm gains (G, H) go the same way. The small time MLPs (d_t x (2S+1)
 and d_t x d_t per weight) are all-gathered, and their gradients, to which every column contributes,
-reduce-scattered. The collectives are DTensor redistributions. Unsharded, the class does what
-train_step does (the tests compare the two).
+reduce-scattered. The collectives are DTensor redistributions. The tests compare both paths with
+the gradients of generating the weights in every forward pass.
 """
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.func import functional_call
 
-from model import TimeDependentLinear, TimeDependentNorm
+from model import TimeDependentLinear, TimeDependentNorm, unbind_times
 
 
 class WeightGenerator:
     """Drives the hypernetwork of `model` (the raw module: alone, under DDP, or FSDP2-sharded) from
-    outside its forward pass. dtype: the compute dtype, in which the weights are all-gathered and
-    used; dL/dW is accumulated in the parameters' dtype."""
+    outside its forward pass. dtype: the compute dtype, in which a sharded hypernetwork's weights
+    are all-gathered and used; dL/dW is accumulated in the parameters' dtype."""
 
     def __init__(self, model, dtype=None):
         self.model, self.hyper = model, model.hyper
@@ -52,15 +53,11 @@ class WeightGenerator:
         """Forget the weights of the last generate() (their memory goes)."""
         self.generated = self.leaves = self.grads = self.flat = None
 
-    # -- this process's part of the parameters -----------------------------------------------------
-    def own(self, p):
-        """The rows of parameter p held here (all of them unless sharded)."""
-        return p.to_local() if self.sharded else p
-
+    # -- sharded: this process's part of the parameters --------------------------------------------
     def full(self, p):
-        """All of parameter p (a time MLP's): all-gathered when sharded; the gradient coming back is
-        each process's partial sum, reduce-scattered to the shards."""
-        return p.full_tensor(grad_placements=[Partial()]) if self.sharded else p
+        """All of parameter p (a time MLP's), all-gathered; the gradient coming back is each
+        process's partial sum, reduce-scattered to the shards."""
+        return p.full_tensor(grad_placements=[Partial()])
 
     def columns(self, unit):
         """The full widths of what `unit` generates: (out*in, out or None) for a linear, (C, C or
@@ -71,28 +68,30 @@ class WeightGenerator:
 
     def gather(self, t, columns):
         """(T, columns) from this process's columns of it, (T, n), in the compute dtype."""
-        t = t.to(self.dtype)
-        if not self.sharded:
-            return t
-        return DTensor.from_local(t, self.mesh, [Shard(1)], run_check=False,
+        return DTensor.from_local(t.to(self.dtype), self.mesh, [Shard(1)], run_check=False,
                                   shape=(t.size(0), columns), stride=(columns, 1)).full_tensor()
 
     # -- once per iteration ------------------------------------------------------------------------
     def generate(self, steps=None, solver=None, offsets=None, grad=True):
         """W(t) at every stage time of `steps` steps of `solver` (the model's by default), Euler's
-        times moved back by `offsets` (steps,) as in DiffEqFormer.forward. With grad, as leaves that
-        collect dL/dW for backward(); without (evaluation), as plain tensors. Returns them, as
-        weights() does."""
+        times moved back by `offsets` (steps,) (METHOD 8.2). With grad, as leaves that collect dL/dW
+        for backward(); without (evaluation), as plain tensors. Returns them, as weights() does."""
         steps, solver = self.model.check_steps(steps, solver)
         ts = self.model.times(steps, solver, offsets)
         self.release()
+        if not self.sharded:  # one process or DDP: one HyperNetwork.forward for all the times
+            with torch.set_grad_enabled(grad):
+                self.generated = self.hyper(ts)  # {name: (W (T, out, in), b (T, out) or None)}
+            self.leaves = {name: [None if w is None else w.detach().requires_grad_(grad)
+                                  for w in pair] for name, pair in self.generated.items()}
+            return self.weights()
         self.generated = {}
         with torch.set_grad_enabled(grad):
             e = self.hyper.time_embedding(ts).to(self.param_dtype)  # (T, 2S+1)
             for name, unit in self.units.items():
                 mlp = {n: self.full(p) for n, p in unit.time_mlp.named_parameters()}
                 z = functional_call(unit.time_mlp, mlp, (e,))  # (T, d_t)
-                own = {n: self.own(p) for n, p in unit.named_parameters(recurse=False)}
+                own = {n: p.to_local() for n, p in unit.named_parameters(recurse=False)}
                 # this process's columns, (T, n) each
                 self.generated[name] = type(unit).generate(z, **own)
         with torch.no_grad():
@@ -104,7 +103,7 @@ class WeightGenerator:
                            for name, out in full.items()}
             return self.weights()
         # dL/dW of every time accumulates, in the parameters' dtype, in one flat buffer
-        # (one all-reduce)
+        # (one reduce-scatter)
         sizes = [t.numel() for out in full.values() for t in out if t is not None]
         self.flat = torch.zeros(sum(sizes), device=self.device, dtype=self.param_dtype)
         self.leaves, self.grads, offset = {}, {}, 0
@@ -127,6 +126,8 @@ class WeightGenerator:
     def weights(self):
         """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=):
         fresh views of the leaves, one list per micro-step."""
+        if not self.sharded:
+            return unbind_times(self.leaves)
         T = len(next(iter(self.leaves.values()))[0])
         return [self.hyper.assemble({name: tuple(None if t is None else t[k] for t in out)
                                      for name, out in self.leaves.items()})
@@ -136,19 +137,26 @@ class WeightGenerator:
         """dL/dW, summed over the micro-steps, into the hypernetwork's gradients, averaged over the
         processes: all-reduced (DDP) or reduce-scattered to each process's columns (FSDP2), then one
         autograd pass back through the generation."""
-        if self.world > 1 and not self.sharded:
-            dist.all_reduce(self.flat)
+        if not self.sharded:
+            pairs = [(w, leaf.grad) for name, pair in self.generated.items()
+                     for w, leaf in zip(pair, self.leaves[name]) if w is not None]
+            for _, grad in pairs:
+                if self.world > 1:  # every process pulls back the same dL/dW, averaged over them
+                    dist.all_reduce(grad)
+                grad.div_(self.world)
+            self.release()
+            torch.autograd.backward(*zip(*pairs))
+            return
         self.flat.div_(self.world)
         outputs, grads = [], []
         for name, out in self.generated.items():
             for t, g in zip(out, self.grads[name]):
                 if t is None:
                     continue
-                if self.sharded:  # (T, columns) summed over processes -> this process's columns
-                    partial = DTensor.from_local(g, self.mesh, [Partial()], run_check=False)
-                    g = partial.redistribute(self.mesh, [Shard(1)]).to_local()
+                # (T, columns) summed over processes -> this process's columns
+                partial = DTensor.from_local(g, self.mesh, [Partial()], run_check=False)
                 outputs.append(t)
-                grads.append(g)
+                grads.append(partial.redistribute(self.mesh, [Shard(1)]).to_local())
         generated = self.generated
         self.release()  # the leaves and the full-size dL/dW go before the pull-back
         torch.autograd.backward(outputs, grads)

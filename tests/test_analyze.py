@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import analyze
-import common
+import checkpoints
 from configurator import UserError, run_main
 from model import DiffEqFormer, ModelConfig, attention, norm, rope_tables, stage_times
 
@@ -253,12 +253,12 @@ def test_shared_weights_cluster_on_the_sphere_and_a_t4_schedule_does_not():
 # -- the command line ----------------------------------------------------------------------------------
 
 def write(path, obj):
-    common.save(obj, path)
+    checkpoints.save(obj, path)
     return str(path)
 
 
 def save_checkpoint(path, model):
-    return write(path, {"kind": common.MODEL, "model_config": model.cfg.to_dict(),
+    return write(path, {"kind": checkpoints.MODEL, "model_config": model.cfg.to_dict(),
                         "model": model.float().state_dict(), "tokenizer": "byte"})
 
 
@@ -310,9 +310,9 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path):
     argv = {
         "no mode": [f"--init_from={tiny_checkpoint}"],
         "missing": ["--lyapunov", f"--init_from={tmp_path / 'nothing.pt'}"],
-        "run state": ["--spectral", "--init_from=" + write(tmp_path / "a.pt", {"kind": common.LORA_RUN})],
+        "run state": ["--spectral", "--init_from=" + write(tmp_path / "a.pt", {"kind": checkpoints.LORA_RUN})],
         "no attention": ["--spectral", "--init_from=" + write(tmp_path / "x.pt", {
-            "kind": common.MODEL, "model_config": gpt.cfg.to_dict(),
+            "kind": checkpoints.MODEL, "model_config": gpt.cfg.to_dict(),
             "model": {k: v for k, v in gpt.state_dict().items() if ".attn." not in k}})],
         "empty prompt": ["--all", f"--init_from={tiny_checkpoint}", "--prompt="],
         "long prompt": ["--lyapunov", f"--init_from={tiny_checkpoint}", "--prompt=" + "x" * 49],

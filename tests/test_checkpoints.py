@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoints
 import common
 import train
-from scale import checkpoint, parallel
+from scale import resume, parallel
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
@@ -31,23 +32,23 @@ def test_bad_checkpoint_files_are_one_line_without_unsafe_advice(tmp_path, conte
     if content == "adapters":
         torch.save({"kind": "lora-adapters"}, path)
     elif content == "pickled code":
-        torch.save({"kind": common.MODEL, "hook": print}, path)  # weights_only refuses to run it
+        torch.save({"kind": checkpoints.MODEL, "hook": print}, path)  # weights_only refuses to run it
     elif content == "empty":
         path.write_bytes(b"")
     if content != "random":
         with pytest.raises(UserError) as e:
-            common.load(str(path))
+            checkpoints.load(str(path))
         assert message in str(e.value) and "\n" not in str(e.value) and "weights_only" not in str(e.value)
         return
     rng = np.random.default_rng(0)
     for _ in range(100):  # garbage fails inside the unpickler in many ways: every one is the same one line
         path.write_bytes(rng.bytes(int(rng.integers(1, 4096))))
         with pytest.raises(UserError, match=message):
-            common.load(str(path))
+            checkpoints.load(str(path))
 
 
 def test_clean_state_dict_strips_only_leading_wrapper_prefixes():
-    cleaned = common.clean_state_dict({"module._orig_mod.wte.weight": 1, "layers.0.submodule.weight": 2,
+    cleaned = checkpoints.clean_state_dict({"module._orig_mod.wte.weight": 1, "layers.0.submodule.weight": 2,
                                             "_orig_mod.layers.0.module.bias": 3})
     assert cleaned == {"wte.weight": 1, "layers.0.submodule.weight": 2, "layers.0.module.bias": 3}
 
@@ -74,7 +75,7 @@ def plain(model):
 def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_path, process_group, monkeypatch):
     folder = str(tmp_path / "out" / "ckpt_sharded")
     model, optimizer = sharded_model(0)
-    checkpoint.save_sharded(model, optimizer, {"kind": common.MODEL, "iter_num": 1}, folder, 1, True)
+    resume.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 1}, folder, 1, True)
     first = plain(model)
     with torch.no_grad():
         for p in model.parameters():
@@ -98,23 +99,23 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
 
     kills = [(dcp, "save", kill_on_call(1, real_save)),  # while writing the model's shards
              (dcp, "save", kill_on_call(2, real_save)),  # while writing the optimizer's
-             (common, "save", lambda *a: kill()),  # before meta.pt
+             (checkpoints, "save", lambda *a: kill()),  # before meta.pt
              (os, "replace", lambda src, dst: kill() if dst.endswith("LATEST") else real_replace(src, dst))]  # before LATEST
     for where, name, killed in kills:
         monkeypatch.setattr(where, name, killed)
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.save_sharded(model, optimizer, {"kind": common.MODEL, "iter_num": 2}, folder, 2, True)
+            resume.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
         monkeypatch.undo()
-        assert checkpoint.latest_sharded(folder).endswith("iter_0000001"), name
+        assert resume.latest_sharded(folder).endswith("iter_0000001"), name
         fresh, fresh_optimizer = sharded_model(1)
-        checkpoint.load_sharded(fresh, fresh_optimizer, folder)
+        resume.load_sharded(fresh, fresh_optimizer, folder)
         assert all(torch.equal(v, first[k]) for k, v in plain(fresh).items())
-    checkpoint.clean(folder)  # what the next save does first: the incomplete iter_0000002 goes
+    resume.clean(folder)  # what the next save does first: the incomplete iter_0000002 goes
     assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000001"]
-    checkpoint.save_sharded(model, optimizer, {"kind": common.MODEL, "iter_num": 2}, folder, 2, True)
+    resume.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
     assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000002"]  # the old one goes once the new one is named
-    checkpoint.convert_sharded(folder, str(tmp_path / "ckpt.pt"))
-    converted = common.load(str(tmp_path / "ckpt.pt"))
+    resume.convert_sharded(folder, str(tmp_path / "ckpt.pt"))
+    converted = checkpoints.load(str(tmp_path / "ckpt.pt"))
     assert converted["iter_num"] == 2 and converted["optimizer"] is None
     assert all(torch.equal(converted["model"][k], v) for k, v in plain(model).items())
 
@@ -167,7 +168,7 @@ def test_a_killed_runs_lock_is_released_with_or_without_fcntl(tmp_path, shakespe
         holder.wait()
     done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert common.load(os.path.join(out, "ckpt.pt"))["iter_num"] == 1
+    assert checkpoints.load(os.path.join(out, "ckpt.pt"))["iter_num"] == 1
 
 
 def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(tmp_path, shakespeare):
@@ -195,7 +196,7 @@ def test_resume_from_a_file_without_optimizer_state_starts_a_fresh_optimizer(tmp
             f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
     train.main([*args, "--stop_at=2"])
     path = tmp_path / "out" / "ckpt.pt"
-    common.save({**common.load(str(path)), "optimizer": None}, str(path))  # as --convert writes it
+    checkpoints.save({**checkpoints.load(str(path)), "optimizer": None}, str(path))  # as --convert writes it
     train.main([*args, "--init_from=resume"])
     assert "holds no optimizer state" in capsys.readouterr().out
-    assert common.load(str(path))["iter_num"] == 4
+    assert checkpoints.load(str(path))["iter_num"] == 4

@@ -1,5 +1,5 @@
 """export.py and the loading of folders: every checkpoint kind -> safetensors folder ->
-from_pretrained gives the same logits and greedy tokens; the baselines in transformers' own classes
+checkpoints.load_model gives the same logits and greedy tokens; the baselines in transformers' own classes
 give transformers' logits; GPT-2 weights come in through transformers (from a GPT2LMHeadModel built
 here with random weights, as OpenAI's would come from the Hub); offline, a Hub name is one line."""
 import json
@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import checkpoints
 import common
 import export
 import finetune
@@ -35,12 +36,12 @@ def random_model(**overrides):
 
 
 def checkpoint(model, tokenizer="byte"):
-    return {"kind": common.MODEL, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
+    return {"kind": checkpoints.MODEL, "model_config": model.cfg.to_dict(), "model": model.state_dict(),
             "tokenizer": tokenizer, "iter_num": 7, "best_val_loss": 2.5}
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def saved(tmp_path_factory):
     """{kind: path} of a tiny checkpoint of every kind this project writes."""
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {}
@@ -50,10 +51,10 @@ def checkpoints(tmp_path_factory):
                                 ).items():
         paths[kind] = str(root / f"{kind}.pt")
         tokenizer = "gpt2" if kind == "shared" else "byte"  # the folder must keep either
-        common.save(checkpoint(random_model(**overrides), tokenizer), paths[kind])
+        checkpoints.save(checkpoint(random_model(**overrides), tokenizer), paths[kind])
     materialized = random_model().materialize(steps=4)
     paths["materialized"] = str(root / "materialized.pt")
-    common.save(checkpoint(materialized), paths["materialized"])
+    checkpoints.save(checkpoint(materialized), paths["materialized"])
     fcfg = finetune.FinetuneConfig(steps=5, lora_rank=2)
     adapted = lora.add_lora(random_model().materialize(steps=5), fcfg.lora_rank, fcfg.lora_alpha)
     with torch.no_grad():  # B away from zero: the adapters change the model
@@ -61,8 +62,8 @@ def checkpoints(tmp_path_factory):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     paths["adapters"] = str(root / "adapters.pt")
-    base_sha256 = common.file_hash(paths["diffeq"])
-    common.save(finetune.adapters_file(adapted, fcfg, paths["diffeq"], base_sha256, 5),
+    base_sha256 = checkpoints.file_hash(paths["diffeq"])
+    checkpoints.save(finetune.adapters_file(adapted, fcfg, paths["diffeq"], base_sha256, 5),
                 paths["adapters"])
     paths["merged"] = finetune.merge_file(paths["adapters"])
     return paths
@@ -82,51 +83,50 @@ def same_outputs(a, b, vocab=TINY["vocab_size"]):
 # -- 1. the diffeqformer format: every kind round-trips ------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_export_then_from_pretrained_gives_the_same_model(kind, checkpoints, tmp_path):
-    export.export(checkpoints[kind], str(tmp_path / "folder"))
+def test_export_then_load_gives_the_same_model(kind, saved, tmp_path):
+    export.export(saved[kind], str(tmp_path / "folder"))
     assert sorted(os.listdir(tmp_path / "folder")) == ["README.md", "config.json",
                                                        "model.safetensors"]
-    original, tokenizer = common.load_model(checkpoints[kind])
-    loaded = DiffEqFormer.from_pretrained(str(tmp_path / "folder"))
-    assert loaded.cfg == original.cfg
-    assert common.load_model(str(tmp_path / "folder"))[1] == tokenizer
+    original, ckpt = checkpoints.load_model(saved[kind])
+    loaded, folder = checkpoints.load_model(str(tmp_path / "folder"))
+    assert loaded.cfg == original.cfg and folder["tokenizer"] == ckpt["tokenizer"]
     same_outputs(original, loaded)
 
 
-def test_config_json_and_model_card(checkpoints, tmp_path):
-    export.export(checkpoints["diffeq"], str(tmp_path))
+def test_config_json_and_model_card(saved, tmp_path):
+    export.export(saved["diffeq"], str(tmp_path))
     config = json.load(open(tmp_path / "config.json"))
     assert config["format"] == "diffeqformer" and config["tokenizer"] == "byte"
     assert config["model_config"]["model_type"] == "diffeq" and config["val_loss"] == 2.5
     card = open(tmp_path / "README.md").read()
     for words in ("Neural ODE Transformers", f"{TINY['n_layer']} euler steps",
-                  "2.5000 nats per token", "DiffEqFormer.from_pretrained"):
+                  "2.5000 nats per token", "checkpoints.load_model(DIR)"):
         assert words in card
 
 
-def test_every_script_loads_a_folder(checkpoints, tmp_path, capsys):
-    """sample.py (and through common.load every script) takes the folder as --init_from."""
-    export.export(checkpoints["llama"], str(tmp_path / "folder"))
+def test_every_script_loads_a_folder(saved, tmp_path, capsys):
+    """sample.py (and through checkpoints.load every script) takes the folder as --init_from."""
+    export.export(saved["llama"], str(tmp_path / "folder"))
     sample.main([f"--init_from={tmp_path / 'folder'}", "--max_new_tokens=5", "--num_samples=1",
                  "--start=AB"])
     assert "baseline (llama)" in capsys.readouterr().err
 
 
-def test_adapters_on_a_folder_base_check_its_hash(tmp_path, checkpoints):
+def test_adapters_on_a_folder_base_check_its_hash(tmp_path, saved):
     """A folder base is hashed by its files' names and bytes: changed weights are refused."""
-    export.export(checkpoints["diffeq"], str(tmp_path / "base"))
-    before = common.file_hash(str(tmp_path / "base"))
-    lora.check_base(str(tmp_path / "base"), before)
-    export.export(checkpoints["shared"], str(tmp_path / "base"))
+    export.export(saved["diffeq"], str(tmp_path / "base"))
+    before = checkpoints.file_hash(str(tmp_path / "base"))
+    checkpoints.check_base(str(tmp_path / "base"), before)
+    export.export(saved["shared"], str(tmp_path / "base"))
     with pytest.raises(UserError, match="has changed"):
-        lora.check_base(str(tmp_path / "base"), before)
+        checkpoints.check_base(str(tmp_path / "base"), before)
 
 
-def test_a_folder_with_broken_weights_is_one_line(checkpoints, tmp_path):
-    export.export(checkpoints["gpt"], str(tmp_path))
+def test_a_folder_with_broken_weights_is_one_line(saved, tmp_path):
+    export.export(saved["gpt"], str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(UserError, match="model.safetensors is missing or unreadable"):
-        common.load_model(str(tmp_path))
+        checkpoints.load_model(str(tmp_path))
 
 
 # -- 2. the baselines in transformers' classes ----------------------------------------------------
@@ -137,13 +137,13 @@ def transformers():
 
 
 @pytest.mark.parametrize("flavor", ["gpt", "llama"])
-def test_hf_format_is_transformers_own_class_with_the_same_logits(flavor, checkpoints, tmp_path):
-    export.export(checkpoints[flavor], str(tmp_path), "hf")
+def test_hf_format_is_transformers_own_class_with_the_same_logits(flavor, saved, tmp_path):
+    export.export(saved[flavor], str(tmp_path), "hf")
     hf_lib = transformers()
     cls = hf_lib.GPT2LMHeadModel if flavor == "gpt" else hf_lib.LlamaForCausalLM
     assert json.load(open(tmp_path / "config.json"))["architectures"] == [cls.__name__]
     hf = cls.from_pretrained(str(tmp_path)).eval()
-    ours, _ = common.load_model(checkpoints[flavor])
+    ours, _ = checkpoints.load_model(saved[flavor])
     torch.manual_seed(1)
     idx = torch.randint(0, TINY["vocab_size"], (2, TINY["block_size"]))
     with torch.no_grad():
@@ -163,19 +163,19 @@ def same_tokens(folder, name):
 
 
 @pytest.mark.parametrize("flavor", ["gpt", "llama"])
-def test_hf_folder_loads_back(flavor, checkpoints, tmp_path):
+def test_hf_folder_loads_back(flavor, saved, tmp_path):
     """A GPT2LMHeadModel / LlamaForCausalLM folder is itself an --init_from (the map read back)."""
     transformers()
-    export.export(checkpoints[flavor], str(tmp_path), "hf")
-    original, _ = common.load_model(checkpoints[flavor])
-    loaded, tokenizer = common.load_model(str(tmp_path))
-    assert tokenizer == "byte" and loaded.cfg.n_layer == original.cfg.n_layer
+    export.export(saved[flavor], str(tmp_path), "hf")
+    original, _ = checkpoints.load_model(saved[flavor])
+    loaded, ckpt = checkpoints.load_model(str(tmp_path))
+    assert ckpt["tokenizer"] == "byte" and loaded.cfg.n_layer == original.cfg.n_layer
     same_outputs(original, loaded)
 
 
-def test_hf_format_refuses_a_model_without_a_transformers_class(checkpoints, tmp_path):
+def test_hf_format_refuses_a_model_without_a_transformers_class(saved, tmp_path):
     with pytest.raises(UserError, match="no transformers class"):
-        export.export(checkpoints["diffeq"], str(tmp_path), "hf")
+        export.export(saved["diffeq"], str(tmp_path), "hf")
 
 
 # -- 3. GPT-2 weights in --------------------------------------------------------------------------
@@ -195,8 +195,8 @@ def tiny_gpt2(path, vocab=50257):
 
 def test_gpt2_weights_give_transformers_logits_and_padded_rows_no_probability(tmp_path):
     hf = tiny_gpt2(tmp_path, vocab=100)
-    model, tokenizer = common.load_model(str(tmp_path))
-    assert tokenizer == "gpt2" and model.cfg.model_type == "baseline"
+    model, ckpt = checkpoints.load_model(str(tmp_path))
+    assert ckpt["tokenizer"] == "gpt2" and model.cfg.model_type == "baseline"
     assert (model.cfg.vocab_size, model.cfg.tokenizer_vocab) == (128, 100)  # padded to 64s
     idx = torch.randint(0, 100, (2, 32))
     with torch.no_grad():
@@ -220,10 +220,10 @@ def test_train_and_finetune_start_from_gpt2(tmp_path, capsys):
     few = ["--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2",
            "--device=cpu", data]
     train.main([f"--init_from={tmp_path / 'gpt2'}", f"--out_dir={out}", *few])
-    ckpt = common.load(str(out / "ckpt.pt"))
+    ckpt = checkpoints.load(str(out / "ckpt.pt"))
     assert ckpt["tokenizer"] == "gpt2" and ckpt["model_config"]["tokenizer_vocab"] == 50257
     first = json.loads(open(out / "log.jsonl").readline())
-    model, _ = common.load_model(str(tmp_path / "gpt2"))
+    model, _ = checkpoints.load_model(str(tmp_path / "gpt2"))
     batches = common.Batches(prepare.load_tokens(ckpt["data"], "val"), 32, 2, torch.device("cpu"),
                              1337, 1)  # iteration 0's evaluation batch
     x, y = batches.get(train.EVAL_ITERATION, 0)
@@ -234,8 +234,8 @@ def test_train_and_finetune_start_from_gpt2(tmp_path, capsys):
     assert abs(first["val_loss"] - model(x, y)[1].item()) < 1e-4
     finetune.main([f"--init_from={tmp_path / 'gpt2'}", "--lora", f"--out_dir={tmp_path / 'ft'}",
                    *few])
-    adapted, tokenizer = common.load_model(str(tmp_path / "ft" / "adapters.pt"))
-    assert tokenizer == "gpt2" and adapted.cfg.tokenizer_vocab == 50257
+    adapted, base = checkpoints.load_model(str(tmp_path / "ft" / "adapters.pt"))
+    assert base["tokenizer"] == "gpt2" and adapted.cfg.tokenizer_vocab == 50257
 
 
 def one_line(main, argv, capsys, monkeypatch):
@@ -256,18 +256,18 @@ def test_a_hub_name_offline_is_one_line(name, capsys, monkeypatch, tmp_path):
     assert name in err and "Hugging Face Hub" in err
 
 
-def test_push_to_hub_offline_is_one_line(checkpoints, capsys, monkeypatch, tmp_path):
+def test_push_to_hub_offline_is_one_line(saved, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    err = one_line(export.main, [f"--init_from={checkpoints['gpt']}", f"--out={tmp_path}",
+    err = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={tmp_path}",
                                  "--push_to_hub=someone/model"], capsys, monkeypatch)
     assert "could not push" in err
 
 
-def test_without_transformers_hf_is_one_line(checkpoints, tmp_path, monkeypatch):
+def test_without_transformers_hf_is_one_line(saved, tmp_path, monkeypatch):
     """transformers is an optional extra: without it, --format=hf and a GPT-2 folder say so."""
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
     with pytest.raises(UserError, match="needs transformers"):
-        export.export(checkpoints["gpt"], str(tmp_path), "hf")
+        export.export(saved["gpt"], str(tmp_path), "hf")
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(UserError, match="transformers model folder"):
-        common.load(str(tmp_path))
+        checkpoints.load(str(tmp_path))

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import checkpoints
 import common
 import finetune
 import lora
@@ -89,10 +90,10 @@ def test_adapters_are_found_by_type_and_targets_by_valid_names():
 def test_baseline_refuses_other_depths(tmp_path):
     gpt = DiffEqFormer(ModelConfig(**{**TINY, "model_type": "baseline"}))
     path = tmp_path / "gpt.pt"
-    common.save(dict(kind=common.MODEL, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
     with pytest.raises(UserError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):
-        finetune.load_base(str(path), 9, torch.device("cpu"))
-    same, _ = finetune.load_base(str(path), 0, torch.device("cpu"))
+        lora.at_depth(checkpoints.load_model(str(path))[0], 9, str(path))
+    same = lora.at_depth(checkpoints.load_model(str(path))[0], 0, str(path))
     assert same.cfg.n_layer == 3
 
 
@@ -111,10 +112,10 @@ def test_missing_and_wrong_kind_checkpoints_fail_with_one_line(tmp_path):
     done = script(f"--init_from={tmp_path / 'none.pt'}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "does not exist" in done.stderr
     adapters = tmp_path / "adapters.pt"
-    torch.save({"kind": common.ADAPTERS}, adapters)
+    torch.save({"kind": checkpoints.ADAPTERS}, adapters)
     done = script(f"--init_from={adapters}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
-    assert f"holds a {common.ADAPTERS} checkpoint" in done.stderr
+    assert f"holds a {checkpoints.ADAPTERS} checkpoint" in done.stderr
 
 
 def test_steps_9_lora_end_to_end(tmp_path, shakespeare):
@@ -130,12 +131,12 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare):
     results = json.load(open(tmp_path / "ft" / "results.json"))
     assert results["steps"] == 9 and results["lora"]
     assert results["after"]["val_loss"] < results["before"]["val_loss"] - 0.05
-    adapters = common.load(str(tmp_path / "ft" / "adapters.pt"), kind=common.ADAPTERS)
+    adapters = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)
     assert adapters["steps"] == 9 and adapters["rank"] == 8 and adapters["targets"] == "all"
     assert adapters["adapters"] and all(k.endswith((".lora_A", ".lora_B")) for k in adapters["adapters"])
 
     merged_path = finetune.merge_file(str(tmp_path / "ft" / "adapters.pt"))
-    merged = common.load(merged_path)
+    merged = checkpoints.load(merged_path)
     model = DiffEqFormer(ModelConfig(**merged["model_config"]))
     model.load_state_dict(merged["model"])
     assert model.cfg.model_type == "materialized" and model.cfg.n_layer == 9
@@ -159,8 +160,8 @@ def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     finetune.main([*cmd[cmd.index("finetune.py") + 1:-1], f"--out_dir={tmp_path / 'one'}"])  # one process, same batches
-    ddp = common.load(str(tmp_path / "ft" / "adapters.pt"), kind=common.ADAPTERS)["adapters"]
-    one = common.load(str(tmp_path / "one" / "adapters.pt"), kind=common.ADAPTERS)["adapters"]
+    ddp = checkpoints.load(str(tmp_path / "ft" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
+    one = checkpoints.load(str(tmp_path / "one" / "adapters.pt"), kind=checkpoints.ADAPTERS)["adapters"]
     assert any(k.endswith(".lora_B") and v.abs().max() > 0 for k, v in ddp.items())  # the adapters trained
     for k in one:
         assert torch.allclose(ddp[k], one[k], atol=1e-5), k
@@ -186,12 +187,12 @@ def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakesp
     for it in range(4, 8):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
     if lora:
-        a = common.load(str(tmp_path / "a" / "adapters.pt"), kind=common.ADAPTERS)
-        b = common.load(str(tmp_path / "b" / "adapters.pt"), kind=common.ADAPTERS)
+        a = checkpoints.load(str(tmp_path / "a" / "adapters.pt"), kind=checkpoints.ADAPTERS)
+        b = checkpoints.load(str(tmp_path / "b" / "adapters.pt"), kind=checkpoints.ADAPTERS)
         assert b["base_checkpoint"] == a["base_checkpoint"] and b["rank"] == 8
         pairs = [(a["adapters"][k], b["adapters"][k]) for k in a["adapters"]]
     else:
-        a, b = (common.load(str(tmp_path / out / "ckpt.pt"))["model"] for out in ("a", "b"))
+        a, b = (checkpoints.load(str(tmp_path / out / "ckpt.pt"))["model"] for out in ("a", "b"))
         pairs = [(a[k], b[k]) for k in a]
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in pairs)
 
@@ -212,11 +213,10 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
         finetune.main(["--merge", adapters])
     with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
         finetune.main(["--init_from=resume", *target])
-    merged = common.load(finetune.merge_file(adapters, str(original)))
-    expected, _ = lora.load_adapted(adapters, str(original))
-    lora.merge_lora(expected)
+    merged = checkpoints.load(finetune.merge_file(adapters, str(original)))
+    expected, _ = checkpoints.load_model(adapters, merge_base=str(original))
     assert all(torch.equal(v, merged["model"][k]) for k, v in expected.state_dict().items())
-    wrong, _ = finetune.load_base(str(base), 3, torch.device("cpu"))
+    wrong = lora.at_depth(checkpoints.load_model(str(base))[0], 3, str(base))
     assert not torch.equal(wrong.layers[0].attn.weight, expected.layers[0].attn.weight)
 
 
@@ -235,6 +235,7 @@ def test_options_fine_tuning_cannot_take_are_one_clear_error(argv, message):
 def test_dropout_and_activation_checkpointing_reach_the_fine_tuned_model(tmp_path):
     ode = random_ode()
     path = tmp_path / "base.pt"
-    common.save(dict(kind=common.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(path))
-    model, _ = finetune.load_base(str(path), 4, torch.device("cpu"), dropout=0.2, checkpoint=True)
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(path))
+    base, _ = checkpoints.load_model(str(path), dropout=0.2, checkpoint=True)
+    model = lora.at_depth(base, 4, str(path))
     assert (model.cfg.dropout, model.cfg.checkpoint, model.cfg.n_layer) == (0.2, True, 4)

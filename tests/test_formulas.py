@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import analyze
 import common
+import runlog
 import train
 from lora import LoRA
 from model import DiffEqFormer, ModelConfig, TimeDependentLinear
@@ -46,8 +47,8 @@ def test_flops_per_token_is_three_forwards_of_an_independent_count():
     small = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 1)
     attention = mcfg.n_layer * 2 * T * mcfg.n_embd
     expected = 3 * (weights_per_token + 2 * small + attention)
-    assert common.flops_per_token(mcfg, 0, B * T) == pytest.approx(expected, rel=1e-12)
-    assert common.flops_per_token(mcfg, 0, B * T) == pytest.approx(training / (B * T), rel=0.02)  # same, roughly
+    assert runlog.flops_per_token(mcfg, 0, B * T) == pytest.approx(expected, rel=1e-12)
+    assert runlog.flops_per_token(mcfg, 0, B * T) == pytest.approx(training / (B * T), rel=0.02)  # same, roughly
 
 
 # -- 2. the GPT-like init (init="gpt") --------------------------------------------------------------------

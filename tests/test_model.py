@@ -271,7 +271,7 @@ def test_zero_offsets_and_the_reference_time_scale_change_nothing():
     torch.manual_seed(0)
     plain, _ = model(idx)
     torch.manual_seed(0)
-    zero, _ = model(idx, offsets=torch.zeros(3))
+    zero, _ = model(idx, weights=model.step_weights(3, "euler", offsets=torch.zeros(3)))
     assert torch.equal(plain, zero) and torch.equal(plain, same(idx)[0])
     smoother = randomized(tiny(time_scale=10.0))
     assert (smoother(idx)[0] - plain).abs().max() > 1e-3
@@ -285,7 +285,7 @@ def test_offsets_move_each_euler_step_back_inside_its_step():
     for k, t in enumerate((0.5 / 3, 2 / 3, 2.75 / 3)):
         assert torch.allclose(w[k]["fc"][0], model.hyper(torch.tensor([t]))["fc"][0][0], atol=1e-6)
     with pytest.raises(ValueError, match="one offset per step"):
-        model(tokens(), steps=3, offsets=torch.zeros(2))
+        model.step_weights(3, "euler", torch.zeros(2))
 
 
 def smooth_model():

@@ -202,11 +202,12 @@ def test_a_job_finished_on_disk_but_not_recorded_is_recorded_without_running(tmp
 
 
 def test_budget_row_counts_tokens_and_training_flops(tmp_path):
-    import common
+    import checkpoints
+    import runlog
     from model import DiffEqFormer, ModelConfig
     from conftest import TINY
     mcfg = ModelConfig(**TINY, model_type="diffeq")
-    common.save(dict(kind=common.MODEL, model_config=mcfg.to_dict()), str(tmp_path / "ckpt.pt"))
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=mcfg.to_dict()), str(tmp_path / "ckpt.pt"))
     write_log(tmp_path, [3.0, 2.5])
     meta = dict(model="diffeq", budget=20, seed=1, learning_rate=3e-3, factor=1.0)
     job = Job("budget-diffeq-20-s1", [], meta=meta)
@@ -215,7 +216,7 @@ def test_budget_row_counts_tokens_and_training_flops(tmp_path):
     hyper = sum(p.numel() for n, p in named if n.startswith("hyper."))
     per_iter = reproduce.BATCH * mcfg.block_size
     assert row["tokens"] == 20 * per_iter
-    assert row["flops"] == common.flops_per_token(mcfg, hyper, per_iter) * 20 * per_iter
+    assert row["flops"] == runlog.flops_per_token(mcfg, hyper, per_iter) * 20 * per_iter
     assert (row["val_loss"], row["train_loss"]) == (2.5, 2.5) and row["evals"][0] == [0, 3.0, 3.0]
 
 

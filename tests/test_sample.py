@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-import common
+import checkpoints
 import finetune
 import lora
 import sample
@@ -107,22 +107,21 @@ def test_the_odes_weights_are_generated_once_per_generation():
     assert len(calls) == 2
 
 
-def test_last_only_is_the_last_row_of_the_logits():
+def test_decoding_computes_the_last_row_of_the_logits():
     model = random_model()
     full, _ = model(prompt(7))
-    last, _ = model(prompt(7), last_only=True)
+    state = sample.setup_caches(model, 2, 8, 3, "euler")
+    last, _ = model(prompt(7), weights=state.weights, cache=state.at(torch.arange(7)))
     assert last.shape == (2, 1, TINY["vocab_size"]) and (last - full[:, -1:]).abs().max() < 1e-12
     with pytest.raises(ValueError, match="no loss"):
-        model(prompt(7), targets=prompt(7), last_only=True)
+        model(prompt(7), targets=prompt(7), cache=state.at(torch.arange(7)))
 
 
 def test_decoding_needs_caches_set_up_for_its_steps():
     model = random_model()
     state = sample.setup_caches(model, 1, 8, 3, "euler")
-    mask, slots = sample.cache_mask(torch.tensor([0]), 8)
-    caches = [(kv, slots) for kv in state["caches"]]
     with pytest.raises(ValueError, match="4 euler steps need 4 KV caches, got 3"):
-        model(prompt(1, B=1), steps=4, input_pos=torch.tensor([0]), mask=mask, caches=caches)
+        model(prompt(1, B=1), steps=4, cache=state.at(torch.tensor([0])))
     with pytest.raises(ValueError, match="9 tokens do not fit KV caches of 8 positions"):
         sample.prefill(model, prompt(9, B=1), state)
 
@@ -167,7 +166,7 @@ def test_temperature_sharpens():
 # -- sample.py ----------------------------------------------------------------------------------------------
 
 def save_model(path, model, tokenizer="byte"):
-    common.save(dict(kind=common.MODEL, model_config=model.cfg.to_dict(), model=model.float().state_dict(),
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(), model=model.float().state_dict(),
                           tokenizer=tokenizer), str(path))
     return str(path)
 
@@ -204,7 +203,7 @@ def test_sample_reads_lora_adapters_with_their_base_and_merged_files(tmp_path, c
         for name, p in layers.named_parameters():
             if name.endswith("lora_B"):
                 p.normal_(0.0, 0.5)  # adapters that change the output
-    common.save(finetune.adapters_file(layers, fcfg, base, common.file_hash(base), 5), str(tmp_path / "adapters.pt"))
+    checkpoints.save(finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 5), str(tmp_path / "adapters.pt"))
     merged = lora.merge_lora(layers).eval()
     text = expected(merged, "ab", 6)
     assert text != expected(ode.materialize(5), "ab", 6)
@@ -246,12 +245,12 @@ def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, token
 
 
 def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
-    common.save(dict(kind=common.LORA_RUN), str(tmp_path / "run.pt"))
-    with pytest.raises(UserError, match=f"holds a {common.LORA_RUN} checkpoint, not a {common.MODEL}"):
+    checkpoints.save(dict(kind=checkpoints.LORA_RUN), str(tmp_path / "run.pt"))
+    with pytest.raises(UserError, match=f"holds a {checkpoints.LORA_RUN} checkpoint, not a {checkpoints.MODEL}"):
         run_sample(capsys, tmp_path / "run.pt")
     layers = lora.add_lora(byte_model().materialize(3), rank=2)
     adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), str(tmp_path / "gone.pt"), "0" * 64, 3)
-    common.save(adapters, str(tmp_path / "adapters.pt"))
+    checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
     with pytest.raises(UserError, match=r"the base checkpoint .*gone.pt does not exist"):
         run_sample(capsys, tmp_path / "adapters.pt")
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkpoints
 import common
 import train
 from scale import memory, parallel
@@ -77,10 +78,13 @@ class Capture:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def step_gradients(model, batches, env=common.Env(torch.device("cpu"), torch.float32), gen=None, **cfg):
-    """The gradients of one train.train_step over the micro-batches (no clipping, no update)."""
+def step_gradients(model, batches, env=common.Env(torch.device("cpu"), torch.float32), **cfg):
+    """The gradients of one train.train_step over the micro-batches (no clipping, no update), a
+    diffeq model's weights generated once by a WeightGenerator as train.fit makes one."""
     cfg = train.TrainConfig(gradient_accumulation_steps=len(batches), grad_clip=0.0, **cfg)
     capture = Capture(parallel.unwrap(model))
+    autocast = env.dtype if env.dtype != torch.float32 else None  # float64 models stay float64
+    gen = WeightGenerator(capture.model, autocast) if parallel.generates_once(capture.model, cfg) else None
     loss, *_ = train.train_step(model, capture, Fixed(batches), 0, cfg, env, gen)
     return loss, capture.grads
 
@@ -108,7 +112,7 @@ def test_weights_once_per_step_give_the_plain_gradients(flavor, solver, dtype, t
     model.zero_grad(set_to_none=True)
     calls = []
     model.hyper.register_forward_hook(lambda *a: calls.append(1))
-    loss, got = step_gradients(model, batches)
+    loss, got = step_gradients(model, batches)  # HyperNetwork.forward once, for all 3 micro-steps
     assert len(calls) == 1
     assert loss.item() == pytest.approx(sum(losses) / 3, rel=1e-6)  # the logged loss: float32
     assert_close_grads(got, want, tol)
@@ -123,7 +127,7 @@ def test_weights_once_per_step_at_drawn_times_give_the_plain_gradients():
     x = micro_batches(1, TINY["vocab_size"])[0]
     cfg = train.TrainConfig(train_steps="2-6", time_jitter=True)
     steps, offsets = train.iteration_steps(0, cfg, model.cfg)
-    _, loss = model(x, x, steps=steps, offsets=offsets)
+    _, loss = model(x, x, steps=steps, weights=model.step_weights(steps, "euler", offsets))
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -132,22 +136,11 @@ def test_weights_once_per_step_at_drawn_times_give_the_plain_gradients():
     assert_close_grads(got, want, 1e-12)
 
 
-def test_the_generator_of_a_sharded_hypernetwork_gives_train_steps_gradients_unsharded():
-    """scale/weightgen.py, run on one process, equals the path every one-process run takes."""
-    torch.manual_seed(0)
-    model = DiffEqFormer(ModelConfig(**{**TINY, "dropout": 0.1})).double()
-    perturb(model)
-    batches = micro_batches(3, TINY["vocab_size"])
-    _, want = step_gradients(model, batches)
-    _, got = step_gradients(model, batches, gen=WeightGenerator(model))
-    assert_close_grads(got, want, 1e-12)
-
-
 def test_training_runs_the_same_with_weights_once_or_in_every_forward(tmp_path, shakespeare):
     """fit() end to end, one process, 3 micro-steps, drawn step counts and times, dropout: the same losses."""
     args = ["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4", "--batch_size=2",
             "--eval_iters=2", "--log_interval=1", "--max_iters=4", "--eval_interval=4", "--dataset=shakespeare",
-            "--gradient_accumulation_steps=3", "--dropout=0.1", "--train_steps=2-5", "--time_jitter",
+            "--gradient_accumulation_steps=3", "--dropout=0.1", "--train_steps=2-5",
             f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}"]
     runs = {}
     for flag in ("--generate_once", "--no-generate_once"):
@@ -160,8 +153,9 @@ def test_training_runs_the_same_with_weights_once_or_in_every_forward(tmp_path, 
             assert a[key] == pytest.approx(b[key], abs=1e-6), (a, b)
 
 
-def test_generated_weights_are_leaves_in_the_compute_dtype_with_fp32_gradients():
-    """The CPU twin of bf16 compute: weights used in bf16, dL/dW accumulated in fp32, gradients close."""
+def test_generated_weights_are_float32_leaves_used_in_bf16_autocast():
+    """The CPU twin of bf16 compute on one process: the leaves keep the parameters' float32 (so dL/dW
+    accumulates in it), autocast runs the blocks in bf16, and the gradients are close."""
     torch.manual_seed(0)
     model = DiffEqFormer(ModelConfig(**TINY))
     perturb(model)
@@ -169,13 +163,9 @@ def test_generated_weights_are_leaves_in_the_compute_dtype_with_fp32_gradients()
     _, want = plain_gradients(model, batches)
     model.zero_grad(set_to_none=True)
     gen = WeightGenerator(model, torch.bfloat16)
-    gen.generate()
-    w = gen.weights()[0]
-    assert w["attn"][0].dtype == torch.bfloat16 and gen.flat.dtype == torch.float32
-    bf16 = common.Env(torch.device("cpu"), torch.bfloat16)
-    for g in (gen, None):  # the sharded path's generator, and train_step's own leaves, under autocast
-        _, got = step_gradients(model, batches, env=bf16, gen=g)
-        assert_close_grads(got, want, 0.1)
+    assert gen.generate()[0]["attn"][0].dtype == torch.float32
+    _, got = step_gradients(model, batches, env=common.Env(torch.device("cpu"), torch.bfloat16))
+    assert_close_grads(got, want, 0.1)
 
 
 def test_fused_adamw_is_used_on_cpu_and_equals_the_default():
@@ -235,9 +225,8 @@ def gradient_worker(rank, world, store, out, shape, mode, dtype, accum, once):
             want = (torch.bfloat16, torch.float32) if dtype == torch.bfloat16 else (None, None)
             assert (policy.param_dtype, policy.reduce_dtype) == want
         perturb(raw)
-        gen = WeightGenerator(raw, dtype) if mode == "fsdp" and once else None
         batches = micro_batches(accum, SHAPES[shape]["vocab_size"])
-        _, grads = step_gradients(model, batches, env, gen, parallel=mode, generate_once=once)
+        _, grads = step_gradients(model, batches, env, parallel=mode, generate_once=once)
         torch.save(dict(initial=full, grads={n: g.float() for n, g in grads.items()}),
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -289,7 +278,7 @@ def test_sharded_checkpoints_of_the_new_path_resume_exactly_and_convert(tmp_path
     for it in range(3, 6):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
     train.main([f"--convert={tmp_path / 'b' / 'ckpt_sharded'}"])
-    ckpt = common.load(str(tmp_path / "b" / "ckpt.pt"))
+    ckpt = checkpoints.load(str(tmp_path / "b" / "ckpt.pt"))
     assert ckpt["iter_num"] == 6
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoints
 import common
+import runlog
 import train
 from scale import memory, parallel
 from configurator import ConfigError, UserError, parse_config
@@ -140,7 +142,7 @@ def test_fifty_iterations_lower_validation_loss(tmp_path, shakespeare):
     norms = [r["grad_norm"] for r in rows if "loss" in r]  # in every training row
     assert len(norms) == 50 and all(n > 0 for n in norms)
     assert os.path.getsize(tmp_path / "out" / "loss.png") > 5000
-    ckpt = common.load(str(tmp_path / "out" / "ckpt.pt"))
+    ckpt = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))
     assert ckpt["iter_num"] == 50 and ckpt["model_config"]["n_layer"] == 2
 
 
@@ -148,7 +150,7 @@ def test_a_gpt2_tokenizer_run_pads_its_vocabulary_with_rows_that_never_get_proba
                                                                                      shakespeare):
     tokenizer_or_skip("gpt2")
     run(tmp_path, f"--input_file={shakespeare}", "--tokenizer=gpt2", "--max_iters=1", "--eval_interval=1")
-    model, _ = common.load_model(str(tmp_path / "out" / "ckpt.pt"))
+    model, _ = checkpoints.load_model(str(tmp_path / "out" / "ckpt.pt"))
     assert (model.cfg.vocab_size, model.cfg.tokenizer_vocab) == (50304, 50257)  # 50257 -> 64s
     logits, _ = model(torch.tensor([[464, 3290]]))
     assert torch.isneginf(logits[..., 50257:]).all() and torch.isfinite(logits[..., :50257]).all()
@@ -171,10 +173,10 @@ def test_resume_continues_exactly(tmp_path, shakespeare, capsys):
 def test_compiled_run_checkpoint_loads_into_plain_model(tmp_path, shakespeare):
     torch._dynamo.reset()
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2", "--compile")
-    ckpt = common.load(str(tmp_path / "out" / "ckpt.pt"))
+    ckpt = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
-    assert common.clean_state_dict({"module._orig_mod.wte.weight": 1}) == {"wte.weight": 1}
+    assert checkpoints.clean_state_dict({"module._orig_mod.wte.weight": 1}) == {"wte.weight": 1}
 
 
 def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path, shakespeare):
@@ -184,7 +186,7 @@ def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("gradient_accumulation_steps=3 rounded up to 4, a multiple of the 2 processes") == 1
-    assert common.load(str(tmp_path / "out" / "ckpt.pt"))["train_config"]["gradient_accumulation_steps"] == 4
+    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["train_config"]["gradient_accumulation_steps"] == 4
 
 
 def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypatch, capsys):
@@ -202,15 +204,12 @@ def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypat
 
 
 def test_mfu_peaks(monkeypatch):
-    assert common.gpu_peak("NVIDIA H100 80GB HBM3") == 989e12 and common.gpu_peak("NVIDIA H100 PCIe") == 756e12
-    assert common.gpu_peak("NVIDIA L40S") == 362e12 and common.gpu_peak("NVIDIA L40") == 181e12
-    assert common.gpu_peak("Tesla V100-SXM2-16GB") is None  # no native bf16: measured in the run's dtype
-    env = common.Env(torch.device("cpu"), torch.float32)
-    assert common.peak_flops(env, given=3e11) == 3e11
-    sizes = []
-    real_matmul = torch.Tensor.__matmul__
-    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: sizes.append(a.shape) or real_matmul(a, b))
-    assert common.peak_flops(env) > 0 and set(sizes) == {(2048, 2048)}
+    assert runlog.gpu_peak("NVIDIA H100 80GB HBM3") == 989e12 and runlog.gpu_peak("NVIDIA H100 PCIe") == 756e12
+    assert runlog.gpu_peak("NVIDIA L40S") == 362e12 and runlog.gpu_peak("NVIDIA L40") == 181e12
+    assert runlog.gpu_peak("Tesla V100-SXM2-16GB") is None  # no native bf16: measured in the run's dtype
+    for dtype in (torch.float32, torch.float16):  # a CPU's shared cores, its emulated float16: no peak
+        env = common.Env(torch.device("cpu"), dtype)
+        assert runlog.peak_flops(env, given=3e11) == 3e11 and runlog.peak_flops(env) is None
 
 
 # -- devices: CUDA, Apple silicon's GPU (MPS), the CPU --------------------------------------------
@@ -280,7 +279,7 @@ def test_the_peak_measurement_waits_for_the_gpu_it_times(monkeypatch, device, mo
                         real_randn(8, 8, dtype=dtype))
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append("matmul") or
                         real_matmul(a, b))
-    assert common.peak_flops(common.Env(torch.device(device), torch.float32)) > 0
+    assert runlog.peak_flops(common.Env(torch.device(device), torch.float32)) > 0
     assert sizes == [(n, n)] and len(calls) >= 3
     assert calls == ["sync", "matmul", "sync"] * (len(calls) // 3)
 
@@ -389,7 +388,7 @@ def test_a_float16_run_logs_a_skipped_step_and_resumes_exactly_with_its_scale(tm
     assert straight[3]["grad_norm"] is None and straight[2]["grad_norm"] > 0  # strict JSON: no inf
     assert [straight[it]["loss_scale"] for it in (2, 3, 4)] == [65536.0, 32768.0, 32768.0]
     run(tmp_path, *shared, "--stop_at=4", out="b")
-    assert common.load(str(tmp_path / "b" / "ckpt.pt"))["scaler"]["scale"] == 32768.0
+    assert checkpoints.load(str(tmp_path / "b" / "ckpt.pt"))["scaler"]["scale"] == 32768.0
     resumed = {r["iter"]: r for r in run(tmp_path, *shared, "--init_from=resume", out="b")
                if "loss" in r}
     for it in (4, 6):
@@ -455,13 +454,13 @@ def test_wandb_goes_on_with_the_run_of_the_checkpoint_when_resuming(tmp_path, sh
     shared = [f"--input_file={shakespeare}", "--max_iters=4", "--eval_interval=2", "--wandb"]
     run(tmp_path, *shared, "--stop_at=2")
     path = str(tmp_path / "out" / "ckpt.pt")
-    assert common.load(path)["wandb_id"] == "run-1" and inits[0]["id"] is None
+    assert checkpoints.load(path)["wandb_id"] == "run-1" and inits[0]["id"] is None
     run(tmp_path, *shared, "--init_from=resume")
     assert inits[1] == dict(project="diffeqformer", id="run-1", resume="allow")
-    assert common.load(path)["wandb_id"] == "run-1"
+    assert checkpoints.load(path)["wandb_id"] == "run-1"
     run(tmp_path, *shared, f"--init_from={path}", out="other")  # its weights, not its run
     assert inits[2]["id"] is None
-    assert common.load(str(tmp_path / "other" / "ckpt.pt"))["wandb_id"] == "run-3"
+    assert checkpoints.load(str(tmp_path / "other" / "ckpt.pt"))["wandb_id"] == "run-3"
     assert all("grad_norm" in row for _, row in logged if "loss" in row)
     assert [step for step, row in logged if "loss" in row] == [0, 1, 2, 3] * 2
 
@@ -521,9 +520,9 @@ def test_two_processes_match_one(tmp_path, shakespeare, parallel):
     path = str(tmp_path / "two" / "ckpt.pt")
     if parallel == "fsdp":
         train.main([f"--convert={tmp_path / 'two' / 'ckpt_sharded'}"])
-    ckpt = common.load(path)
+    ckpt = checkpoints.load(path)
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
-    reference = common.load(str(tmp_path / "one" / "ckpt.pt"))
+    reference = checkpoints.load(str(tmp_path / "one" / "ckpt.pt"))
     for k, v in reference["model"].items():
         assert torch.allclose(ckpt["model"][k], v, atol=1e-4), k
 
@@ -598,7 +597,7 @@ def test_the_embedding_experiment_starts_both_runs_from_the_same_draws_but_the_e
     starts = []
     for std in embedding.STDS:  # 0.02 (ours), 1 (the authors')
         embedding.start_checkpoint(std, cfg, str(tmp_path / f"{std:g}.pt"))
-        starts.append(common.load(str(tmp_path / f"{std:g}.pt")))
+        starts.append(checkpoints.load(str(tmp_path / f"{std:g}.pt")))
     ours, authors = starts
     config = ModelConfig(**ours["model_config"])
     assert (config.model_type, config.flavor, config.init) == ("diffeq", "llama", "reference")
@@ -614,14 +613,14 @@ def test_the_embedding_experiment_starts_both_runs_from_the_same_draws_but_the_e
 def test_the_default_run_calls_the_hypernetwork_once_per_iteration(tmp_path, monkeypatch, extra):
     """`python train.py` (config/shakespeare.py, 3 iterations), and with 3 micro-steps: one
     HyperNetwork.forward per training iteration and one per evaluation, and never the sharded path's
-    generator (scale/weightgen.py)."""
+    generator's path (scale/weightgen.py all-gathers columns there)."""
     from model import HyperNetwork
     from scale.weightgen import WeightGenerator
     calls, evaluations = [], []
     forward, evaluate = HyperNetwork.forward, train.evaluate
     monkeypatch.setattr(HyperNetwork, "forward", lambda self, ts: calls.append(1) or forward(self, ts))
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: evaluations.append(1) or evaluate(*a, **k))
-    monkeypatch.setattr(WeightGenerator, "generate", lambda *a, **k: pytest.fail("the sharded path ran"))
+    monkeypatch.setattr(WeightGenerator, "gather", lambda *a, **k: pytest.fail("the sharded path ran"))
     train.main(["--max_iters=3", "--eval_iters=2", f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}",
                 *extra])
     assert len(evaluations) == 2 and len(calls) == 3 + 2  # evaluations at iterations 0 and 3

@@ -1,13 +1,13 @@
 """
-Sharded checkpoints of FSDP2 runs (torch.distributed.checkpoint): every rank writes its own shards,
-so 6.5B parameters are never gathered on one rank, and `python train.py --convert=FOLDER` turns the
-latest one into the ordinary single file.
+Saving and resuming a training run: train.py's checkpoints go through save_run / load_run /
+restore_run, which write and read out_dir/ckpt.pt on one process or under DDP, and under FSDP2 a
+sharded folder (torch.distributed.checkpoint): every rank writes its own shards, so 6.5B parameters
+are never gathered on one rank, and `python train.py --convert=FOLDER` turns the latest one into the
+ordinary single file.
 
 A kill at any moment leaves the last complete checkpoint loadable: each save is a new folder
 `iter_K/` inside `ckpt_sharded/`, and the text file `ckpt_sharded/LATEST` is switched to it
 (atomically) only once it is complete; older folders, and incomplete ones, are removed after that.
-train.py's checkpoints go through save_run / load_run / restore_run, which write and read
-out_dir/ckpt.pt on one process or under DDP, and the sharded folder under FSDP2.
 """
 import os
 import shutil
@@ -15,7 +15,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-import common
+import checkpoints
 from configurator import UserError
 from scale import parallel
 
@@ -57,7 +57,7 @@ def save_sharded(model, optimizer, meta, folder, iteration, master):
              checkpoint_id=os.path.join(target, "optimizer"))
     dist.barrier()
     if master:
-        common.save(meta, os.path.join(target, "meta.pt"))
+        checkpoints.save(meta, os.path.join(target, "meta.pt"))
         with open(os.path.join(folder, "LATEST.tmp"), "w") as f:
             f.write(name)
             f.flush()
@@ -91,12 +91,12 @@ def convert_sharded(folder, dst=None):
     dst = dst or os.path.join(os.path.dirname(os.path.abspath(folder)), "ckpt.pt")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     path = latest_sharded(folder)
-    meta = common.load(os.path.join(path, "meta.pt"))
+    meta = checkpoints.load(os.path.join(path, "meta.pt"))
     tmp = f"{dst}.model.tmp{os.getpid()}"
     dcp_to_torch_save(os.path.join(path, "model"), tmp)
     model = torch.load(tmp, weights_only=True)
     os.remove(tmp)
-    common.save({**meta, "model": common.clean_state_dict(model), "optimizer": None}, dst)
+    checkpoints.save({**meta, "model": checkpoints.clean_state_dict(model), "optimizer": None}, dst)
     print(f"wrote {dst}")
 
 
@@ -106,25 +106,25 @@ def save_run(model, optimizer, state, cfg, env, extra):
     """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP the folder out_dir/ckpt_sharded
     that every rank writes its own shards to."""
     scaler = env.scaler.state_dict()  # float16's loss scale (empty in other dtypes)
-    meta = {"kind": common.MODEL, **extra, **state, "scaler": scaler}
+    meta = {"kind": checkpoints.MODEL, **extra, **state, "scaler": scaler}
     if parallel.sharded(cfg, env):
         save_sharded(model, optimizer, meta, os.path.join(cfg.out_dir, "ckpt_sharded"),
                      state["iter_num"], env.master)
     elif env.master:
-        common.save({**meta, "model": parallel.unwrap(model).state_dict(),
+        checkpoints.save({**meta, "model": parallel.unwrap(model).state_dict(),
                      "optimizer": optimizer.state_dict()}, os.path.join(cfg.out_dir, "ckpt.pt"))
 
 
-def load_run(cfg, env, kind=common.MODEL):
+def load_run(cfg, env, kind=checkpoints.MODEL):
     """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no
     weights)."""
     folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
     if parallel.sharded(cfg, env):
-        return common.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
+        return checkpoints.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
     if os.path.isdir(folder) and not os.path.exists(single):
         raise UserError(f"{cfg.out_dir} holds a sharded checkpoint: resume it under torchrun with "
                         f"--parallel=fsdp, or convert it first with --convert={folder}")
-    return common.load(single, kind)
+    return checkpoints.load(single, kind)
 
 
 def restore_run(model, optimizer, ckpt, cfg, env):
@@ -135,7 +135,7 @@ def restore_run(model, optimizer, ckpt, cfg, env):
         env.scaler.load_state_dict(ckpt["scaler"])
     if parallel.sharded(cfg, env):
         return load_sharded(model, optimizer, os.path.join(cfg.out_dir, "ckpt_sharded"))
-    parallel.unwrap(model).load_state_dict(common.clean_state_dict(ckpt["model"]))
+    parallel.unwrap(model).load_state_dict(checkpoints.clean_state_dict(ckpt["model"]))
     if ckpt.get("optimizer") is None:
         env.print("note: the checkpoint holds no optimizer state (a converted or merged file): "
                   "AdamW starts afresh, so the run continues but does not reproduce an "
@@ -147,7 +147,7 @@ def restore_run(model, optimizer, ckpt, cfg, env):
 def load_weights(model, ckpt, cfg, env):
     """A checkpoint's weights, without its optimizer state, into the built model (a run that starts
     from them); under FSDP2 each rank keeps its own shards of them."""
-    state_dict = common.clean_state_dict(ckpt["model"])
+    state_dict = checkpoints.clean_state_dict(ckpt["model"])
     if not parallel.sharded(cfg, env):
         return parallel.unwrap(model).load_state_dict(state_dict)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
