@@ -98,18 +98,38 @@ def test_forward_and_backward_on_cuda_equal_the_cpus(model_type, flavor, dtype, 
 KERNEL_SHAPE = dict(TINY, n_embd=128, n_head=2, block_size=64)  # head size 64, as GPT-2 small's
 
 
+def bf16_loss(model, idx, *backends):
+    """The loss under bf16 autocast with SDPA restricted to `backends` (none given: torch's own choice), the
+    RNG seeded first so that the dropout masks repeat."""
+    torch.manual_seed(0)
+    with sdpa_kernel(list(backends)) if backends else contextlib.nullcontext():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(idx, idx)[1]
+
+
+def the_same_loss(model, idx, backend, loss):
+    try:
+        return torch.equal(bf16_loss(model, idx, backend).detach(), loss)
+    except RuntimeError:  # "No available kernel": the backend refused the shapes
+        return False
+
+
 @pytest.mark.parametrize("flavor", FLAVORS)
 @pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
 def test_training_shapes_run_flash_attention(model_type, flavor, record_property):
-    """bf16, head size 64, causal, no mask, attention dropout (the baselines'): flash attention runs. It
-    is the only kernel allowed here, so a shape it refused would raise, not fall back to the math one."""
+    """bf16, head size 64, causal, no mask, attention dropout (the baselines'): flash attention runs forward
+    and backward. It is the only kernel allowed there, so a shape it refused would raise, not fall back to
+    the math one. Which kernel torch picks by itself is the one whose loss is bitwise the same: not math."""
     model = DiffEqFormer(ModelConfig(**KERNEL_SHAPE, model_type=model_type, flavor=flavor, dropout=0.1)).cuda()
     idx = tokens(T=64).cuda()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
-        _, loss = model(idx, idx)
+    loss = bf16_loss(model, idx, SDPBackend.FLASH_ATTENTION)
     loss.backward()
     assert torch.isfinite(loss)
-    record_property("training kernel", "flash")
+    default = bf16_loss(model, idx).detach()
+    chosen = [b.name for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                               SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH) if the_same_loss(model, idx, b, default)]
+    record_property("torch's own choice", chosen[0] if chosen else "(no kernel gives its loss bitwise)")
+    assert chosen[:1] != ["MATH"]
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
