@@ -44,6 +44,19 @@ def shakespeare():
     return corpus("tinyshakespeare", "input.txt")
 
 
+@pytest.fixture
+def tf32_restored():
+    """torch's TF32 switches (cuBLAS, cuDNN), put back after the test as they were before it: common.setup
+    turns them on for CUDA. Not with monkeypatch: pytest 9 undoes a setattr on them with delattr, as
+    they are not instance attributes."""
+    import torch
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    saved = [flag.allow_tf32 for flag in flags]
+    yield flags
+    for flag, value in zip(flags, saved):
+        flag.allow_tf32 = value
+
+
 @pytest.fixture(autouse=True)
 def at_repository_root(monkeypatch):
     """Scripts and config files name paths relative to the repository root, as users run them."""

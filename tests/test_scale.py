@@ -262,18 +262,24 @@ ARGS = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4"
         "--max_iters=6", "--eval_interval=3", "--gradient_accumulation_steps=4"]
 
 
-def torchrun(tmp_path, shakespeare, *args, out):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *ARGS,
+def torchrun(tmp_path, shakespeare, *args, out, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *ARGS,
            f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / out}", *args]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return {r["iter"]: r["loss"] for r in map(json.loads, open(tmp_path / out / "log.jsonl")) if "loss" in r}
 
 
+def straight_and_resumed(tmp_path, shakespeare, *args, nproc=2):
+    """The losses of a run straight through its 6 iterations (in tmp_path/a), and of the same run stopped
+    after iteration 3 and resumed (in tmp_path/b)."""
+    straight = torchrun(tmp_path, shakespeare, *args, out="a", nproc=nproc)
+    torchrun(tmp_path, shakespeare, *args, "--stop_at=3", out="b", nproc=nproc)
+    return straight, torchrun(tmp_path, shakespeare, *args, "--init_from=resume", out="b", nproc=nproc)
+
+
 def test_sharded_checkpoints_of_the_new_path_resume_exactly_and_convert(tmp_path, shakespeare):
-    straight = torchrun(tmp_path, shakespeare, "--parallel=fsdp", out="a")
-    torchrun(tmp_path, shakespeare, "--parallel=fsdp", "--stop_at=3", out="b")
-    resumed = torchrun(tmp_path, shakespeare, "--parallel=fsdp", "--init_from=resume", out="b")
+    straight, resumed = straight_and_resumed(tmp_path, shakespeare, "--parallel=fsdp")
     assert sorted(resumed) == list(range(6))
     for it in range(3, 6):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it

@@ -216,11 +216,8 @@ def test_mfu_peaks(monkeypatch):
 # Neither CUDA nor MPS exists on the machine that runs these tests: torch's answers are mocked.
 
 @pytest.fixture
-def gpus(monkeypatch):
+def gpus(monkeypatch, tf32_restored):  # common.setup turns TF32 on for CUDA
     """answer(cuda, mps, native_bf16): what torch answers about the GPUs from then on."""
-    for flag in (torch.backends.cuda.matmul, torch.backends.cudnn):  # setup sets them on CUDA
-        monkeypatch.setattr(flag, "allow_tf32", flag.allow_tf32)
-
     def answer(cuda, mps, native_bf16=False):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)

@@ -1,0 +1,99 @@
+"""experiments/gpu_check.py on a machine without CUDA: the tiny version CI runs, a spent budget, a part
+that raises, and the tests' verdicts and recorded values on their way into the table."""
+import json
+import math
+
+import pytest
+import torch
+
+import test_cuda
+from experiments import gpu_check
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's version (on a GPU: minutes, run it)")
+
+
+@cpu_only
+def test_the_cpu_version_skips_the_cuda_tests_and_measures_a_tiny_benchmark(tmp_path, capsys):
+    report = gpu_check.main([f"--out={tmp_path}"])
+    printed = capsys.readouterr().out
+    assert json.load(open(tmp_path / "gpu_check.json")) == json.loads(json.dumps(report))
+    assert printed.endswith(open(tmp_path / "gpu_check.txt").read())
+    cases = report["tests"]["cases"]  # every test of tests/test_cuda.py, skipped with the reason
+    assert {c["name"].split("[")[0] for c in cases} == {n for n in dir(test_cuda) if n.startswith("test_")}
+    assert all(c["outcome"] == "skipped" and "needs a CUDA GPU" in c["message"] for c in cases)
+    assert f"tests/test_cuda.py, {report['tests']['seconds']:.0f} s: {len(cases)} skipped" in printed
+    rows = {f"{r['part']}: {r['model']}": r for r in report["rows"]}
+    assert set(rows) == {"train step, eager: GPT", "train step, eager: ODE",
+                         "decode 8 tokens after 4, KV cache: GPT", "decode 8 tokens after 4, KV cache: ODE"}
+    for label, r in rows.items():
+        q = r["tokens_per_s"]
+        assert 0 < q[0] <= q[1] <= q[2] < math.inf and label in printed, label
+        if label.startswith("train"):  # a loss over the 512 tokens of a near-uniform model, a real MFU
+            assert 0 < r["mfu"] < 1 and r["plan_gib"] > 0 and r["peak_gib"] is None
+            assert r["first_loss"] == pytest.approx(math.log(512), abs=0.3)
+    assert [r["label"] for r in report["ratios"]] == ["train step, eager: ODE / GPT",
+                                                      "decode 8 tokens after 4, KV cache: ODE / GPT"]
+    assert all(0 < r["quartiles"][1] < math.inf for r in report["ratios"])
+    assert [s["part"] for s in report["skipped"]] == ["train step, compiled"]
+    assert "skipped: train step, compiled (a CPU" in printed
+
+
+@cpu_only
+def test_a_spent_budget_skips_every_part_and_says_so(tmp_path, capsys):
+    report = gpu_check.main([f"--out={tmp_path}", "--budget_s=0"])
+    printed = capsys.readouterr().out
+    assert report["tests"]["skipped"].startswith("time") and "tests/test_cuda.py: skipped: time" in printed
+    assert report["rows"] == [] and report["ratios"] == []
+    reasons = {s["part"]: s["reason"] for s in report["skipped"]}
+    assert list(reasons) == ["train step, eager", "decode 8 tokens after 4, KV cache", "train step, compiled"]
+    assert all(reasons[part].startswith("time") for part in ("train step, eager", "decode 8 tokens after 4, KV cache"))
+    assert "skipped: train step, eager (time" in printed
+
+
+@cpu_only
+def test_a_part_that_raises_is_reported_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    """An out-of-memory in the ODE's training step: GPT's row, no ratio, the error in the table, decoding."""
+    real = gpu_check.training_step
+
+    def oom_for_the_ode(name, *args):
+        if name == "ODE":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB\nmore details")
+        return real(name, *args)
+    monkeypatch.setattr(gpu_check, "training_step", oom_for_the_ode)
+    report = gpu_check.main([f"--out={tmp_path}", "--no-tests"])
+    printed = capsys.readouterr().out
+    assert [f"{r['part']}: {r['model']}" for r in report["rows"]] == ["train step, eager: GPT"]
+    assert report["ratios"] == [] and report["tests"] == dict(skipped="--no-tests")
+    assert report["failed"] == [dict(part="train step, eager: ODE",
+                                     error="OutOfMemoryError: CUDA out of memory. Tried to allocate 12.00 GiB")]
+    assert "FAILED: train step, eager: ODE (OutOfMemoryError: CUDA out of memory." in printed
+    assert "decode 8 tokens after 4, KV cache" in [s["part"] for s in report["skipped"]]
+
+
+TESTS = '''
+import os, time
+
+def test_a(record_property):
+    record_property("deadline, s from now", float(os.environ["GPU_CHECK_DEADLINE"]) - time.time())
+
+def test_b(record_property):
+    record_property("plan / peak", 0.5)
+    assert 0.8 <= 0.5, "plan 10 MiB, peak 20 MiB"
+'''
+
+
+def test_the_tests_verdicts_and_recorded_values_reach_the_table(tmp_path, monkeypatch):
+    """run_tests on a stand-in for tests/test_cuda.py: the deadline it gives them, a failure's message and
+    the values they record, read back from pytest's junit XML."""
+    (tmp_path / "test_stand_in.py").write_text(TESTS)
+    monkeypatch.setattr(gpu_check, "TESTS", str(tmp_path / "test_stand_in.py"))
+    cfg = gpu_check.CheckConfig(out=str(tmp_path), budget_s=300)
+    report = dict(machine=dict(device="CPU", torch=torch.__version__, peak_tflops=1.0), budget_s=300.0,
+                  elapsed_s=1.0, rows=[], ratios=[], skipped=[], failed=[])
+    gpu_check.run_tests(cfg, gpu_check.Clock(300), report)
+    cases = {c["name"]: c for c in report["tests"]["cases"]}
+    assert 0 < 300 - gpu_check.BENCHMARK_S - float(cases["test_a"]["properties"]["deadline, s from now"]) < 30
+    assert cases["test_b"]["outcome"] == "failed" and cases["test_b"]["properties"] == {"plan / peak": "0.5"}
+    text = gpu_check.table(report)
+    assert "1 failed, 1 passed" in text and "plan / peak 0.5" in text
+    assert "test_b: AssertionError: plan 10 MiB, peak 20 MiB" in text
