@@ -41,7 +41,9 @@ class Env:
 
     @property
     def distributed(self):
-        return self.world_size > 1
+        """True under torchrun, whatever the number of processes: DDP or FSDP2 over a process group
+        (of one process too, so that one GPU runs NCCL's path)."""
+        return dist.is_initialized()
 
     def autocast(self):
         """Autocast to the run's bf16 or fp16 (the parameters stay fp32); nothing in fp32."""
@@ -55,8 +57,9 @@ class Env:
 
 
 def setup(device="auto", dtype="auto", seed=1337):
-    """Pick device and dtype, join the torchrun process group if there is one (NCCL on CUDA, gloo on
-    CPU), and seed the RNG, the same on every rank so that every rank initialises the same model."""
+    """Pick device and dtype, join the process group when torchrun started this process (NCCL on
+    CUDA, gloo on CPU; torchrun sets WORLD_SIZE, RANK and LOCAL_RANK), and seed the RNG, the same
+    on every rank so that every rank initialises the same model."""
     mps = torch.backends.mps.is_available()  # Apple silicon's GPU
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
@@ -67,7 +70,7 @@ def setup(device="auto", dtype="auto", seed=1337):
                         "--device=cpu")
     rank, local_rank, world_size = (int(os.environ.get(k, "1" if k == "WORLD_SIZE" else "0"))
                                     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if world_size > 1:
+    if "WORLD_SIZE" in os.environ:  # under torchrun
         if device == "mps":  # a ConfigError: every rank has it, rank 0 prints it
             raise ConfigError("torchrun runs on CUDA GPUs (NCCL) or CPUs (gloo), not on MPS: use "
                               "one process, or --device=cpu")

@@ -140,12 +140,22 @@ def iteration_steps(it, cfg, mcfg):
 
 # -- evaluation and the training step -------------------------------------------------------------
 
+def weight_generator(model, cfg, env):
+    """Where a diffeq model's weights come from in training and evaluation: a WeightGenerator
+    (scale/weightgen.py) that makes them once per optimizer step or evaluation (METHOD 8.1), or
+    None, the model making its own in every forward pass (baselines, weight sharing, and
+    --no-generate_once)."""
+    raw = parallel.unwrap(model)
+    return WeightGenerator(raw, env.dtype) if parallel.generates_once(raw, cfg) else None
+
+
 @torch.no_grad()
-def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
+def evaluate(model, batches, cfg, env, steps=None, solver=None):
     """Mean loss over eval_iters fixed batches of each split, divided among the processes, an ODE's
-    weights generated once by `gen` (as train_step's). Every process runs as many forward passes
-    (FSDP's collectives must pair up); the passes past eval_iters count with weight 0."""
+    weights generated once. Every process runs as many forward passes (FSDP's collectives must pair
+    up); the passes past eval_iters count with weight 0."""
     model.eval()
+    gen = weight_generator(model, cfg, env)
     weights = gen.generate(steps, solver, grad=False) if gen else None
     out = {}
     for split, data in batches.items():
@@ -160,23 +170,22 @@ def evaluate(model, batches, cfg, env, steps=None, solver=None, gen=None):
         if env.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
-    if gen:
-        gen.release()
     model.train()
     return out
 
 
-def train_step(model, optimizer, batches, it, cfg, env, gen=None):
+def train_step(model, optimizer, batches, it, cfg, env):
     """One optimizer step over this process's micro-steps; returns its mean loss and the gradient
     norm before clipping (tensors), the ODE step count it trained with, and whether float16's loss
     scaling skipped the step. Dropout masks come from an RNG seeded by (seed, iteration, rank), so
-    that a resumed run repeats them. `gen`, for a diffeq model: its weights once per optimizer step
-    (METHOD 8.1), W(t_k) at this iteration's times made once as leaves that collect dL/dW over the
-    micro-steps, then pulled back into the hypernetwork once (scale/weightgen.py)."""
+    that a resumed run repeats them. A diffeq model's weights come once per optimizer step (METHOD
+    8.1): W(t_k) at this iteration's times, made once as leaves that collect dL/dW over the
+    micro-steps, then pulled back into the hypernetwork once."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
     steps, offsets = iteration_steps(it, cfg, raw.cfg)
     accum = cfg.gradient_accumulation_steps // env.world_size  # check_launch made sure it divides
+    gen = weight_generator(model, cfg, env)
     if gen:
         gen.generate(steps, offsets=offsets)  # W(t_k) for every stage time: one hypernetwork call
     total = torch.zeros((), device=env.device)
@@ -207,7 +216,6 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     raw = parallel.unwrap(model)
     mcfg = raw.cfg
     once = parallel.generates_once(raw, cfg)
-    gen = WeightGenerator(raw, env.dtype) if once else None  # the ODE's weights once per step
     batches = {split: common.Batches(prepare.load_tokens(data, split), mcfg.block_size,
                                      cfg.batch_size, env.device, cfg.seed, i)
                for i, split in enumerate(("train", "val"))}
@@ -225,7 +233,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     for it in bar:
         evaluating = it % cfg.eval_interval == 0 or it == end
         if evaluating and (it > start_iter or start_iter == 0):  # a resumed run has evaluated it
-            losses = evaluate(model, batches, cfg, env, gen=gen)
+            losses = evaluate(model, batches, cfg, env)
             row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"],
                        val_ppl=math.exp(min(losses["val"], 50)))
             history.append(row)
@@ -249,8 +257,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         lr = learning_rate(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, norm, steps, skipped = train_step(model, optimizer, batches["train"], it, cfg,
-                                                env, gen)
+        loss, norm, steps, skipped = train_step(model, optimizer, batches["train"], it, cfg, env)
         if env.distributed:
             dist.all_reduce(loss)
             loss /= env.world_size

@@ -108,12 +108,11 @@ def counting_mode():
 # -- building a model and its training step ---------------------------------------------------------
 
 def setup_run(mcfg, tcfg, env):
-    """(step function, model, raw, optimizer, gen) as train.main builds them."""
+    """(step function, model, raw, optimizer) as train.main builds them."""
     import common
     import train
     from model import DiffEqFormer
     from scale import parallel
-    from scale.weightgen import WeightGenerator
     torch.manual_seed(0)
     sharded = parallel.sharded(tcfg, env)
     with torch.device("meta" if sharded else env.device):
@@ -121,10 +120,9 @@ def setup_run(mcfg, tcfg, env):
     model = parallel.build(model, tcfg, env)
     raw = parallel.unwrap(model)
     optimizer = train.configure_optimizer(raw, tcfg, env.device)
-    gen = WeightGenerator(raw, env.dtype) if parallel.generates_once(raw, tcfg) else None
     tokens = np.random.default_rng(0).integers(0, mcfg.vocab_size, 1 << 20).astype(np.uint16)
     batches = common.Batches(tokens, mcfg.block_size, tcfg.batch_size, env.device, 0, 0)
-    return (lambda it: train.train_step(model, optimizer, batches, it, tcfg, env, gen)), model, raw, optimizer, gen
+    return (lambda it: train.train_step(model, optimizer, batches, it, tcfg, env)), model, raw, optimizer
 
 
 def last_wins(argv):

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-import common  # the run's device, dtype and autocast; the peak and FLOP count of train.py's MFU
+import common
+import runlog  # the peak and FLOP count of train.py's MFU
 import train
 from configurator import parse_config, run_main
 from experiments.bench import interleaved, matmul, quartiles
@@ -214,7 +215,7 @@ def training_step(name, mcfg, cfg, env):
                plan_gib=(sum(plan.values()) - sum(memory.runtime_overhead(env.device.type).values())) / 2 ** 30,
                graph_breaks=sum(breaks.values()) if cfg.compile else None,
                break_reasons=[reason.split("\n")[0] for reason in breaks][:3],
-               flops_per_token=common.flops_per_token(mcfg, hyper, cfg.batch_size * mcfg.block_size))
+               flops_per_token=runlog.flops_per_token(mcfg, hyper, cfg.batch_size * mcfg.block_size))
     return step, model, row
 
 
@@ -242,7 +243,8 @@ def train_rows(compiled, mcfg, cfg, env, sizes, clock, report, peak):
     tokens = cfg.batch_size * mcfg.block_size
     for name, row in rows.items():
         flops, q = row.pop("flops_per_token"), quartiles([tokens / t for t in times[name]])
-        report["rows"].append(dict(part=part, **row, tokens_per_s=list(q), mfu=q[1] * flops / peak))
+        mfu = dict(mfu=q[1] * flops / peak) if peak else {}  # a CPU has no peak to measure against
+        report["rows"].append(dict(part=part, **row, tokens_per_s=list(q), **mfu))
     if len(rows) == 2:
         ratios = quartiles([o / g for o, g in zip(times["ODE"], times["GPT"])])
         report["ratios"].append(dict(label=f"{part}: ODE / GPT", quartiles=list(ratios)))
@@ -322,7 +324,8 @@ def table(report):
             q = r["quartiles"]
             lines.append(f"{r['label'] + ' (time / time, paired)':72s}{q[1]:7.3f} [{q[0]:.3f}, {q[2]:.3f}]")
         if "matmul_tflops" in report:
-            lines.append(f"MFU against {m['peak_tflops']:,.1f} TFLOP/s (common.peak_flops); a dense matmul here "
+            against = f"{m['peak_tflops']:,.1f} TFLOP/s (runlog.peak_flops)" if m["peak_tflops"] else "no peak (a CPU)"
+            lines.append(f"MFU against {against}; a dense matmul here "
                          f"reached {report['matmul_tflops']:,.1f} TFLOP/s; peak: the CUDA allocator's, the plan's "
                          f"without its allowance for the CUDA context")
     for skip in report["skipped"]:
@@ -346,9 +349,10 @@ def main(argv):
     cuda = env.device.type == "cuda"
     sizes = SIZES["cuda" if cuda else "cpu"]
     mcfg, tcfg, _ = parse_config(sizes["shape"], ModelConfig, train.TrainConfig)
-    peak = common.peak_flops(env)
+    peak = runlog.peak_flops(env)
     report = dict(machine=dict(device=torch.cuda.get_device_name() if cuda else "CPU (the tiny version)",
-                               torch=torch.__version__, cuda=torch.version.cuda, peak_tflops=peak / 1e12),
+                               torch=torch.__version__, cuda=torch.version.cuda,
+                               peak_tflops=peak / 1e12 if peak else None),
                   budget_s=cfg.budget_s, rows=[], ratios=[], skipped=[], failed=[])
     run_tests(cfg, clock, report)
     save(report, cfg, clock)

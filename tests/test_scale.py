@@ -79,13 +79,10 @@ class Capture:
 
 
 def step_gradients(model, batches, env=common.Env(torch.device("cpu"), torch.float32), **cfg):
-    """The gradients of one train.train_step over the micro-batches (no clipping, no update), a
-    diffeq model's weights generated once by a WeightGenerator as train.fit makes one."""
+    """The gradients of one train.train_step over the micro-batches (no clipping, no update)."""
     cfg = train.TrainConfig(gradient_accumulation_steps=len(batches), grad_clip=0.0, **cfg)
     capture = Capture(parallel.unwrap(model))
-    autocast = env.dtype if env.dtype != torch.float32 else None  # float64 models stay float64
-    gen = WeightGenerator(capture.model, autocast) if parallel.generates_once(capture.model, cfg) else None
-    loss, *_ = train.train_step(model, capture, Fixed(batches), 0, cfg, env, gen)
+    loss, *_ = train.train_step(model, capture, Fixed(batches), 0, cfg, env)
     return loss, capture.grads
 
 

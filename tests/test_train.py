@@ -368,10 +368,10 @@ def test_a_float16_run_logs_a_skipped_step_and_resumes_exactly_with_its_scale(tm
     the uninterrupted one did, loss scale included (the checkpoint carries the scaler's state)."""
     real_step = train.train_step
 
-    def overflow_at_3(model, optimizer, batches, it, cfg, env, gen=None):
+    def overflow_at_3(model, optimizer, batches, it, cfg, env):
         hook = model.wte.weight.register_hook(lambda g: g * math.inf) if it == 3 else None
         try:
-            return real_step(model, optimizer, batches, it, cfg, env, gen)
+            return real_step(model, optimizer, batches, it, cfg, env)
         finally:
             if hook:
                 hook.remove()
