@@ -28,8 +28,8 @@ def test_the_cpu_version_skips_the_cuda_tests_and_measures_a_tiny_benchmark(tmp_
     for label, r in rows.items():
         q = r["tokens_per_s"]
         assert 0 < q[0] <= q[1] <= q[2] < math.inf and label in printed, label
-        if label.startswith("train"):  # a loss over the 512 tokens of a near-uniform model, a real MFU
-            assert 0 < r["mfu"] < 1 and r["plan_gib"] > 0 and r["peak_gib"] is None
+        if label.startswith("train"):  # a loss over the 512 tokens of a near-uniform model; a CPU: no MFU
+            assert "mfu" not in r and r["plan_gib"] > 0 and r["peak_gib"] is None
             assert r["first_loss"] == pytest.approx(math.log(512), abs=0.3)
     assert [r["label"] for r in report["ratios"]] == ["train step, eager: ODE / GPT",
                                                       "decode 8 tokens after 4, KV cache: ODE / GPT"]
