@@ -61,3 +61,15 @@ def tf32_restored():
 def at_repository_root(monkeypatch):
     """Scripts and config files name paths relative to the repository root, as users run them."""
     monkeypatch.chdir(ROOT)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--skipped-to", metavar="FILE", help="write the ids of the tests that skipped to "
+                     "FILE, one a line (.ci/run runs them again once the optional extras are installed)")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("skipped_to"):
+        ids = dict.fromkeys(report.nodeid for report in terminalreporter.stats.get("skipped", []))
+        with open(config.getoption("skipped_to"), "w") as f:
+            f.writelines(f"{nodeid}\n" for nodeid in ids)  # a file, where a module skips as a whole

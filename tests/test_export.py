@@ -138,8 +138,8 @@ def transformers():
 
 @pytest.mark.parametrize("flavor", ["gpt", "llama"])
 def test_hf_format_is_transformers_own_class_with_the_same_logits(flavor, saved, tmp_path):
-    export.export(saved[flavor], str(tmp_path), "hf")
     hf_lib = transformers()
+    export.export(saved[flavor], str(tmp_path), "hf")
     cls = hf_lib.GPT2LMHeadModel if flavor == "gpt" else hf_lib.LlamaForCausalLM
     assert json.load(open(tmp_path / "config.json"))["architectures"] == [cls.__name__]
     hf = cls.from_pretrained(str(tmp_path)).eval()
@@ -174,6 +174,7 @@ def test_hf_folder_loads_back(flavor, saved, tmp_path):
 
 
 def test_hf_format_refuses_a_model_without_a_transformers_class(saved, tmp_path):
+    transformers()  # without it, --format=hf says that first (test_without_transformers_hf_is_one_line)
     with pytest.raises(UserError, match="no transformers class"):
         export.export(saved["diffeq"], str(tmp_path), "hf")
 

@@ -259,10 +259,11 @@ def test_a_device_that_is_not_there_is_one_line(gpus):
 def test_torchrun_where_it_cannot_run_is_one_line(gpus, monkeypatch, cuda, mps, message):
     gpus(cuda, mps)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(ConfigError, match=message):
-        common.setup("auto")
+    with monkeypatch.context() as torchrun:  # its own undo: later tests never run as rank 0 of 2
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():
+            torchrun.setenv(key, value)
+        with pytest.raises(ConfigError, match=message):
+            common.setup("auto")
 
 
 @pytest.mark.parametrize("device,module,n", [("cuda", torch.cuda, 8192), ("mps", torch.mps, 4096)])
