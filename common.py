@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 from dataclasses import dataclass, field
 
 import filelock
@@ -195,18 +196,23 @@ def lock(out_dir):
 
 
 class Interrupt:
-    """Ctrl-C during training: the first one asks the loop to save the iteration it is at and stop
-    (train.fit raises Interrupted); a second one stops at once. Under torchrun every rank gets the
-    signal, at its own moment: `asked()` agrees across the ranks, so that all stop together."""
+    """Ctrl-C during training: the first one is acknowledged at once and asks the loop to save the
+    iteration it is at and stop (train.fit raises Interrupted) when the step or evaluation under way
+    ends; a second one stops at once. Under torchrun every rank gets the signal, at its own moment:
+    `asked()` agrees across the ranks, so that all stop together."""
 
-    def __init__(self, env):
-        self.env, self.flag = env, False
+    def __init__(self, env, out_dir):
+        self.env, self.out_dir, self.flag = env, out_dir, False
         self.previous = signal.signal(signal.SIGINT, self.handler)
 
     def handler(self, signum, frame):
         if self.flag:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(f"a second one stopped the run at once; --init_from=resume "
+                                    f"starts from the last checkpoint in {self.out_dir}/")
         self.flag = True
+        if self.env.master:
+            print("\nCtrl-C: the run saves its iteration and stops when the step or evaluation "
+                  "under way ends; Ctrl-C again to stop at once", file=sys.stderr, flush=True)
 
     def asked(self):
         flag = torch.tensor(float(self.flag), device=self.env.device)

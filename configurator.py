@@ -15,6 +15,7 @@ import inspect
 import math
 import os
 import re
+import signal
 import sys
 import types
 import typing
@@ -233,10 +234,15 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
 
 
 def run_main(main):
-    """Run a script's main(), turning the errors a user can fix into one line on stderr."""
+    """Run a script's main(), turning the errors a user can fix into one line on stderr, and Ctrl-C
+    into one line and status 130 wherever it comes (a process started in the background by a shell
+    inherits SIGINT ignored: Ctrl-C is made to stop it all the same)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main(sys.argv[1:])
-    except KeyboardInterrupt:  # a second Ctrl-C during training, or one anywhere else
+    except KeyboardInterrupt as e:  # a second Ctrl-C during training, or one anywhere else
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"stopped by Ctrl-C{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         sys.exit(130)
     except UserError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:

@@ -17,6 +17,7 @@ A directory whose meta.json records the same source and tokenizer is reused, not
 Differences from nanoGPT: one script for every dataset, byte tokens as well as tiktoken, and the
 meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -97,11 +98,24 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
+@contextlib.contextmanager
+def written(path):
+    """Write path + ".tmp" inside the block, then rename it to path: a crash or Ctrl-C leaves no
+    half-written file (the temporary one is removed)."""
+    try:
+        yield
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise
+
+
 def write_tokens(ids, path, vocab_size):
     """Write ids as one raw array of token_dtype(vocab_size), atomically; returns how many."""
     arr = np.asarray(ids, dtype=token_dtype(vocab_size))
-    arr.tofile(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    with written(path):
+        arr.tofile(path + ".tmp")
     return len(arr)
 
 
@@ -194,16 +208,16 @@ def write_shards(dset, path, vocab_size):
     """write_tokens for a tokenised corpus too big to concatenate in memory: nanoGPT's loop over
     1024 shards. Returns the number of tokens."""
     n = int(np.sum(dset.with_format("numpy")["len"], dtype=np.int64))
-    arr = np.memmap(path + ".tmp", dtype=token_dtype(vocab_size), mode="w+", shape=(n,))
-    total_batches, idx = min(1024, len(dset)), 0
-    for i in tqdm(range(total_batches), desc=f"writing {path}"):
-        shard = dset.shard(num_shards=total_batches, index=i, contiguous=True)
-        batch = np.concatenate(shard.with_format("numpy")["ids"])
-        arr[idx : idx + len(batch)] = batch
-        idx += len(batch)
-    arr.flush()
-    del arr
-    os.replace(path + ".tmp", path)
+    with written(path):
+        arr = np.memmap(path + ".tmp", dtype=token_dtype(vocab_size), mode="w+", shape=(n,))
+        total_batches, idx = min(1024, len(dset)), 0
+        for i in tqdm(range(total_batches), desc=f"writing {path}"):
+            shard = dset.shard(num_shards=total_batches, index=i, contiguous=True)
+            batch = np.concatenate(shard.with_format("numpy")["ids"])
+            arr[idx : idx + len(batch)] = batch
+            idx += len(batch)
+        arr.flush()
+        del arr
     return n
 
 

@@ -225,7 +225,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     peak = runlog.peak_flops(env, cfg.peak_flops)  # one device's, or None: no MFU on a CPU
     log = runlog.RunLog(cfg, start_iter, env.master, {**asdict(cfg), **mcfg.to_dict()},
                         extra.get("wandb_id"))
-    history, interrupt = [], common.Interrupt(env)
+    history, interrupt = [], common.Interrupt(env, cfg.out_dir)
     model.train()
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
     bar = tqdm(range(start_iter, end + 1), initial=start_iter, total=cfg.max_iters,

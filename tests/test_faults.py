@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -93,19 +94,68 @@ def test_ctrl_c_saves_the_iteration_and_resuming_continues_exactly(tmp_path, sha
         assert loss == pytest.approx(want[it], abs=1e-6), it
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path, shakespeare):
-    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", "--max_iters=100000",
-                    f"--out_dir={tmp_path / 'out'}")
+class Lines:
+    """The lines a process writes to one of its pipes, read as they come, each with its time."""
+
+    def __init__(self, pipe):
+        self.lines = []
+        threading.Thread(target=lambda: [self.lines.append((time.monotonic(), line))
+                                         for line in iter(pipe.readline, "")], daemon=True).start()
+
+    def wait_for(self, text, timeout):
+        """The time of the first line that holds `text`, waiting up to `timeout` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            seen = [t for t, line in self.lines if text in line]
+            if seen:
+                return seen[0]
+            time.sleep(0.02)
+        pytest.fail(f"no line with {text!r} in {timeout} s: {[line for _, line in self.lines][-5:]}")
+
+
+def test_ctrl_c_during_a_long_evaluation_is_acknowledged_and_a_second_stops_at_once(tmp_path, shakespeare):
+    """The first Ctrl-C in the middle of iteration 0's evaluation (20,000 batches: a minute and more)
+    says at once what will happen; the second stops the run at once, with one line, exit 130 and no
+    checkpoint, where waiting for the evaluation to end would take the rest of that minute."""
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", "--max_iters=10",
+                    "--eval_iters=20000", f"--out_dir={tmp_path / 'out'}")
     run = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=ENV)
-    log = tmp_path / "out" / "log.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and (not log.exists() or sum(1 for _ in open(log)) < 3):
-        time.sleep(0.05)
-    for _ in range(2):  # the first asks for a checkpoint, the second stops wherever the run is
-        run.send_signal(signal.SIGINT)
-    _, err = run.communicate(timeout=120)
-    assert run.returncode == 130 and "Traceback" not in err, err[-2000:]
+    out, err = Lines(run.stdout), Lines(run.stderr)
+    out.wait_for("system ", 120)  # the summary's last line: the evaluation at iteration 0 begins
+    time.sleep(1)
+    run.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert err.wait_for("Ctrl-C again to stop at once", 5) - sent < 3
+    run.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    run.wait(timeout=60)
+    assert time.monotonic() - sent < 5 and run.returncode == 130
+    time.sleep(0.2)  # the reader threads take the last lines
+    last = err.lines[-1][1].strip()
+    assert last.startswith("stopped by Ctrl-C: a second one stopped the run at once") and \
+        "--init_from=resume" in last, err.lines[-3:]
+    assert not any("Traceback" in line for _, line in err.lines) and not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+def test_ctrl_c_while_the_data_is_prepared_stops_and_leaves_nothing_half_written(tmp_path, shakespeare):
+    """A large text (30 copies of tiny Shakespeare, 33 MB) being tokenised: Ctrl-C stops the run with
+    one line and exit 130, even started as a background job of a shell (SIGINT inherited ignored),
+    and the data folder holds no file, where the run would otherwise train to the end."""
+    big = tmp_path / "big.txt"
+    big.write_text(open(shakespeare).read() * 30)
+    args = tiny_and(f"--input_file={big}", "--dataset=big", f"--data_root={tmp_path / 'data'}", "--max_iters=5",
+                    f"--out_dir={tmp_path / 'out'}")
+    run = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=ENV,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    out, err = Lines(run.stdout), Lines(run.stderr)
+    out.wait_for("tokenizing", 120)
+    run.send_signal(signal.SIGINT)
+    run.wait(timeout=60)
+    time.sleep(0.2)
+    assert run.returncode == 130 and [line.strip() for _, line in err.lines] == ["stopped by Ctrl-C"]
+    assert not [f for _, _, files in os.walk(tmp_path / "data") for f in files]
 
 
 @pytest.mark.parametrize("flag", ["out_dir", "data_root"])
