@@ -115,6 +115,9 @@ def find_config_file(path, relative_to=None):
         candidate = os.path.join(base, path)
         if os.path.isfile(candidate):
             return candidate
+    if any(os.path.isdir(os.path.join(base, path)) for base in bases):
+        raise ConfigError(f"{path} is a folder, not a config file: name one of its files, such as "
+                          f"config/shakespeare.py")
     raise ConfigError(f"config file {path} does not exist")
 
 

@@ -275,7 +275,8 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
             print(f"tokenizing {len(data):,} characters of {split} text with {tokenizer}")
             counts[split] = write_tokens(tok.encode(data), path, tok.vocab_size)
         if counts[split] == 0:
-            raise UserError(f"the {split} split of {dataset} is empty; give it more text")
+            text = (val_file if split == "val" and val_file else ", ".join(paths)) or dataset
+            raise UserError(f"the {split} split of {text} is empty; give it more text")
 
     meta = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
             "dtype": np.dtype(token_dtype(tok.vocab_size)).name,

@@ -99,6 +99,16 @@ class TrainConfig:
                      "eval_interval", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        ranges = dict(warmup_frac=(0, 1), min_lr_ratio=(0, 1), beta1=(0, 0.9999), beta2=(0, 0.9999))
+        for name, (low, high) in ranges.items():
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [{low}, {high}]")
+        for name in ("seed", "weight_decay", "grad_clip", "stop_at", "gpus"):  # 0 allowed
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must not be negative")
+        if self.learning_rate <= 0 or self.eps <= 0:
+            raise ValueError(f"learning_rate={self.learning_rate} and eps={self.eps} must be "
+                             f"positive")
 
 
 # -- optimizer and schedule ------------------------------------------------------------------------
@@ -213,6 +223,11 @@ def train_step(model, optimizer, batches, it, cfg, env):
 
 def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf")):
     """The training loop; `extra` goes into every checkpoint. Returns the evaluation history."""
+    end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
+    if start_iter >= end:  # a resumed run that has done what it was asked
+        env.print(f"{cfg.out_dir}/ is at iteration {start_iter}: nothing left to train with "
+                  f"max_iters={cfg.max_iters}{f' and stop_at={cfg.stop_at}' * bool(cfg.stop_at)}")
+        return []
     raw = parallel.unwrap(model)
     mcfg = raw.cfg
     once = parallel.generates_once(raw, cfg)
@@ -227,7 +242,6 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
                         extra.get("wandb_id"))
     history, interrupt = [], common.Interrupt(env, cfg.out_dir)
     model.train()
-    end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
     bar = tqdm(range(start_iter, end + 1), initial=start_iter, total=cfg.max_iters,
                disable=not env.master, dynamic_ncols=True, desc="train")
     for it in bar:

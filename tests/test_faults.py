@@ -227,3 +227,40 @@ def test_a_binary_prompt_file_is_one_line(tmp_path, capsys, monkeypatch):
     line = one_line(sample.main, [f"--init_from={path}", f"--start=FILE:{tmp_path / 'binary.bin'}"], capsys,
                     monkeypatch)
     assert line == f"error: prompt file {tmp_path / 'binary.bin'} is not UTF-8 text"
+
+
+# -- faults of a fault run on ccd4bd4 (issue 33): one line each ---------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seed=-1"], "error: seed=-1 must not be negative"),
+    (["--warmup_frac=2"], "error: warmup_frac=2.0 must be in [0, 1]"),
+    (["config/"], "error: config/ is a folder, not a config file: name one of its files"),
+])
+def test_a_bad_setting_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    line = one_line(train.main, [*argv, f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"],
+                    capsys, monkeypatch)
+    assert line.startswith(message) and not (tmp_path / "data").exists()
+
+
+def test_an_empty_input_file_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty.txt").write_text("")
+    line = one_line(train.main, [f"--input_file={tmp_path / 'empty.txt'}", f"--data_root={tmp_path / 'data'}",
+                                 f"--out_dir={tmp_path / 'out'}"], capsys, monkeypatch)
+    assert line == f"error: the train split of {tmp_path / 'empty.txt'} is empty; give it more text"
+
+
+def test_resuming_a_finished_run_says_so(tmp_path, shakespeare, capsys):
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                    "--max_iters=2", "--eval_interval=2")
+    train.main(args)
+    log = open(tmp_path / "out" / "log.jsonl").read()
+    capsys.readouterr()
+    train.main([*args, "--init_from=resume"])
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'out'}/ is at iteration 2: nothing left to train with max_iters=2" in out
+    assert open(tmp_path / "out" / "log.jsonl").read() == log  # nothing rewritten
+
+
+def test_a_module_run_as_a_script_says_what_it_is():
+    done = subprocess.run([sys.executable, "hf.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: hf.py is a module, not a script")
