@@ -74,6 +74,7 @@ def test_spectra_equal_numpy_eigvals_of_the_materialised_weights(model_type, fla
                 assert same_eigenvalues(qk[k, h].numpy(), np_qk[h]) and same_eigenvalues(ov[k, h].numpy(), np_ov[h])
                 assert np.sort(np.abs(np_qk[h]))[:C - C // H].max() < 1e-12 * np.abs(np_qk[h]).max()
             assert same_eigenvalues(ffn[k].numpy(), np_ffn)
+        assert all((e.abs().diff(dim=-1) <= 1e-12).all() for e in (qk, ov, ffn))  # by decreasing magnitude
         assert qk.dtype == torch.complex128 and (qk.imag.abs() > 1e-3).any()  # complex eigenvalues kept whole
         if model.cfg.is_ode:  # the curves' path (weights at any t) agrees with the forward's at t_k = (k+1)/N
             curve = analyze.spectra(analyze.weights_at(model, stage_times(N, "euler", dtype=torch.float64)), model.cfg)
@@ -123,10 +124,10 @@ def test_spectral_matrices_are_what_the_forward_pass_multiplies_by():
 @pytest.mark.parametrize("model_type,flavor", [("diffeq", "gpt"), ("diffeq", "llama"), ("baseline", "gpt")])
 def test_jacobian_equals_central_differences_of_the_vector_field(model_type, flavor):
     model = randomized(model_type=model_type, flavor=flavor, std=0.2)
-    T, D, out = 7, model.cfg.n_embd, 6
+    T, D = 7, model.cfg.n_embd
     fields, _, _, _ = analyze.step_fields(model, model.cfg.n_layer, T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    for F_k in (fields[0], fields[-1]):
+    for F_k, out in ((fields[0], 6), (fields[-1], 6), (fields[-1], 3)):  # out: the last or another position
         y, J = analyze.jacobians(F_k, x, out)  # (T, D, D): dF[out] / dx[in]
         assert torch.allclose(y, F_k(x), rtol=0, atol=1e-14)
         eps = 1e-5

@@ -61,7 +61,7 @@ def assert_std(values, std, what):
 
 def test_gpt_init_scales_of_the_ode_and_the_baseline():
     """B_W ~ N(0, 0.02^2), residual projections' B_W ~ N(0, (0.02 / sqrt(2 n_layer))^2); the baseline's
-    residual projections likewise, its other linears N(0, 0.02^2)."""
+    residual projections likewise, its other linears N(0, 0.02^2); C_W ~ N(0, 1e-4^2) in both inits."""
     n_layer = 4
     resid = 0.02 / math.sqrt(2 * n_layer)
     shape = dict(vocab_size=96, block_size=16, n_layer=n_layer, n_head=4, n_embd=128, d_t=4, time_freqs=4)
@@ -75,7 +75,11 @@ def test_gpt_init_scales_of_the_ode_and_the_baseline():
     for name in ("proj", "fc2"):
         assert_std([getattr(ode.hyper, name).B_W], resid, f"B_W of {name}")
     reference = DiffEqFormer(ModelConfig(**shape))  # the default: B_W starts at zero
-    assert all((m.B_W == 0).all() for m in reference.modules() if isinstance(m, TimeDependentLinear))
+    linears = [m for m in reference.modules() if isinstance(m, TimeDependentLinear)]
+    assert all((m.B_W == 0).all() for m in linears)
+    for model in (ode, reference):  # METHOD 3: the biases' C_W ~ N(0, 1e-4^2), G = H = 0, both inits
+        assert_std([m.C_W for m in model.modules() if getattr(m, "C_W", None) is not None], 1e-4, "C_W")
+        assert all((m.G == 0).all() and (m.H == 0).all() for m in (model.hyper.ln_1, model.hyper.ln_2))
 
     baseline = DiffEqFormer(ModelConfig(model_type="baseline", **shape))
     assert_std([layer.attn.weight for layer in baseline.layers], 0.02, "baseline attn")

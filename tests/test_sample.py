@@ -157,6 +157,16 @@ def test_top_k_and_top_p_never_sample_a_masked_token():
     assert drawn(temperature=0) == {1}
 
 
+def test_top_p_stops_where_the_mass_reaches_it_exactly():
+    """Probabilities that are powers of two, so that float32 holds them and their sums exactly: with
+    top_p = 0.75, 0.5 + 0.25 reaches it, and neither 0.125 is kept (a token is dropped when the
+    tokens before it reach top_p, >=; with > the third would stay)."""
+    probs = torch.tensor([[0.125, 0.5, 0.125, 0.25]])
+    assert torch.equal(torch.softmax(probs.log(), -1), probs)  # the boundary is exact
+    torch.manual_seed(0)
+    assert set(sample_next(probs.log().expand(2000, -1), top_p=0.75).flatten().tolist()) == {1, 3}
+
+
 def test_temperature_sharpens():
     torch.manual_seed(0)
     cold = sample_next(PROBS.log().expand(4000, -1), temperature=0.25).flatten()

@@ -282,6 +282,20 @@ def test_the_peak_measurement_waits_for_the_gpu_it_times(monkeypatch, device, mo
     assert calls == ["sync", "matmul", "sync"] * (len(calls) // 3)
 
 
+def test_each_iteration_micro_step_and_split_draws_its_own_batch():
+    """Batches are a function of (seed, split, iteration, index): the same numbers, the same batch; any
+    other, another one (a loader that ignored the iteration would train on one batch forever)."""
+    tokens = np.arange(10000, dtype=np.uint16)
+
+    def batch(seed=0, split=0, it=5, index=1):
+        x, y = common.Batches(tokens, 8, 4, torch.device("cpu"), seed, split).get(it, index)
+        assert torch.equal(y[:, :-1], x[:, 1:])  # the targets: the inputs one token on
+        return x
+    assert torch.equal(batch(), batch())
+    assert all(not torch.equal(batch(), other) for other in
+               (batch(seed=1), batch(split=1), batch(it=6), batch(index=2)))
+
+
 def test_batches_go_to_the_device_of_the_run():
     """Not only to a CUDA one: to MPS as well (the meta device stands in for it here)."""
     tokens = np.arange(1000, dtype=np.uint16)
