@@ -9,15 +9,25 @@ GPT-2 and Llama folders back in.
 The default format, "diffeqformer", holds any model this project makes (DiffEqFormer, weight
 sharing, GPT, Llama, materialised, merged; LoRA adapters are merged into their base): config.json
 (the model config and the tokenizer's name), model.safetensors and a model card, README.md.
-`checkpoints.load_model(DIR)` and every script's `--init_from=DIR` load it.
+`checkpoints.load_model(DIR)` and every script's `--init_from=DIR` load it. It is also a
+transformers model through remote code: config.json's auto_map names the configuration and modeling
+files copied beside it from remote/, which wrap this project's model.py (copied too), and the
+tokenizer is written as transformers' tokenizer.json, so that
+
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), AutoTokenizer.from_pretrained(DIR)
+
+load it, and pipeline("text-generation") and `lm_eval --model hf` run it (docs/export.md). The folder
+then carries code, which a user should read before trusting it.
 
 `--format=hf` writes a GPT baseline as transformers' `GPT2LMHeadModel` and a Llama baseline as its
 `LlamaForCausalLM`, with the same logits, so that `lm_eval --model hf` and the rest of that
 ecosystem run it; hf.py holds the name map, which read backwards starts a model from OpenAI's GPT-2
 (`python train.py --init_from=gpt2`).
 """
+import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 
 import checkpoints
@@ -25,6 +35,13 @@ import hf
 from configurator import UserError, make_dir, parse_config, run_main
 
 FORMATS = ("diffeqformer", "hf")
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# transformers' remote code of the diffeqformer format: the files copied into the folder
+REMOTE_CODE = {name: os.path.join(ROOT, folder, name) for folder, name in (
+    (".", "model.py"), ("remote", "configuration_diffeqformer.py"),
+    ("remote", "modeling_diffeqformer.py"))}
+AUTO_MAP = {"AutoConfig": "configuration_diffeqformer.DiffEqFormerConfig",
+            "AutoModelForCausalLM": "modeling_diffeqformer.DiffEqFormerForCausalLM"}
 
 
 @dataclass
@@ -84,8 +101,12 @@ def model_card(model, tokenizer, facts, source, fmt):
         load = (f"from transformers import {cls}\nmodel = {cls}.from_pretrained(DIR)  "
                 f"# or: lm_eval --model hf --model_args pretrained=DIR")
     else:
-        load = "import checkpoints  # in DiffEqFormer's repository\n" \
-               "model, ckpt = checkpoints.load_model(DIR)  # or: python sample.py --init_from=DIR"
+        load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # runs "
+                "this folder's code: read it first\n"
+                "tokenizer = AutoTokenizer.from_pretrained(DIR)\n"
+                "# in DiffEqFormer's repository: model, ckpt = checkpoints.load_model(DIR), or "
+                "python sample.py --init_from=DIR")
     return "\n".join([
         "---", "library_name: " + ("transformers" if fmt == "hf" else "pytorch"),
         "tags: [diffeqformer, neural-ode, transformer]", "---", "",
@@ -103,24 +124,40 @@ def model_card(model, tokenizer, facts, source, fmt):
 
 
 def save_folder(model, tokenizer, out, facts):
-    """config.json (format, model config, tokenizer, validation loss) and model.safetensors."""
+    """config.json (the project's keys: format, model config, tokenizer, validation loss; and
+    transformers': model_type, auto_map, the end-of-text token), model.safetensors, the remote code
+    and, where transformers is installed, its tokenizer files."""
     from safetensors.torch import save_file
-    config = dict(format="diffeqformer", model_config=model.cfg.to_dict(), tokenizer=tokenizer,
-                  val_loss=validation_loss(facts))
+    cfg = model.cfg
+    end = dict(bos_token_id=50256, eos_token_id=50256) if tokenizer == "gpt2" else {}
+    config = dict(format="diffeqformer", model_config=cfg.to_dict(), tokenizer=tokenizer,
+                  val_loss=validation_loss(facts), model_type="diffeqformer",
+                  architectures=["DiffEqFormerForCausalLM"], auto_map=AUTO_MAP, **end)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:  # no KV cache: the window
+        json.dump(dict(use_cache=False, **end), f, indent=1)  # is recomputed for every token
+    for name, source in REMOTE_CODE.items():
+        shutil.copyfile(source, os.path.join(out, name))
+    if importlib.util.find_spec("transformers"):  # AutoTokenizer's tokenizer.json
+        hf.transformers_tokenizer(tokenizer, cfg.block_size).save_pretrained(out)
+    else:
+        print(f"note: no tokenizer.json in {out}/ (AutoTokenizer reads it): pip install -r "
+              f"requirements-eval.txt and export again")
 
 
 def export(path, out, fmt="diffeqformer"):
     """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`."""
-    facts = history(path) if os.path.isfile(path) else {"source": path}
     model, ckpt = checkpoints.load_model(path)
     tokenizer = ckpt["tokenizer"]
+    facts = history(path) if os.path.isfile(path) else {k: v for k, v in ckpt.items() if k != "model"}
+    if fmt == "hf":
+        hf_model = hf.to_transformers(model, tokenizer)  # refused before the folder is made
     make_dir(out, "out")
     if fmt == "hf":
-        hf.to_transformers(model, tokenizer).save_pretrained(out)
+        hf_model.save_pretrained(out)
         hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
     else:
         save_folder(model, tokenizer, out, facts)
@@ -130,7 +167,7 @@ def export(path, out, fmt="diffeqformer"):
 
 
 def push(out, repo_id):
-    """Upload the folder to the Hub (a network and a token: `huggingface-cli login`)."""
+    """Upload the folder to the Hub (a network and a token: `hf auth login`)."""
     from huggingface_hub import HfApi
     try:
         api = HfApi()
@@ -138,7 +175,7 @@ def push(out, repo_id):
         return api.upload_folder(folder_path=out, repo_id=repo_id).commit_url
     except Exception as e:  # no network, no token, no rights: one line
         raise UserError(f"could not push {out} to the Hub as {repo_id} ({type(e).__name__}); "
-                        f"offline, or not logged in (`huggingface-cli login`)?") from None
+                        f"offline, or not logged in (`hf auth login`)?") from None
 
 
 def main(argv):

@@ -125,15 +125,17 @@ def from_transformers(path, config):
     GPT2LMHeadModel or LlamaForCausalLM folder: loaded by transformers' from_pretrained, then
     renamed; the vocabulary padded to a multiple of 64 with rows that never get probability
     (tokenizer_vocab)."""
+    kind = config.get("model_type")
+    flavor = {"gpt2": "gpt", "llama": "llama"}.get(kind)
+    if flavor is None:
+        what = f"a model of type {kind!r}" if kind else "a config.json without a model_type"
+        raise UserError(f"{path} holds {what}; this project reads its own exports and "
+                        f"transformers' GPT-2 and Llama folders")
     try:
         import transformers
     except ImportError:
         raise UserError(f"{path} is a transformers model folder: pip install -r "
                         f"requirements-eval.txt (transformers)") from None
-    flavor = {"gpt2": "gpt", "llama": "llama"}.get(config.get("model_type"))
-    if flavor is None:
-        raise UserError(f"{path} holds a {config.get('model_type', 'unknown')} model; this project "
-                        f"reads its own exports, GPT-2 and Llama")
     tokenizer = config.get("diffeqformer_tokenizer", "gpt2" if flavor == "gpt" else None)
     heads = config.get("num_attention_heads")
     problems = [message for bad, message in (

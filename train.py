@@ -338,8 +338,9 @@ def setup_run(model, cfg, env, ckpt=None):
 
 def model_config_for(mcfg, cfg, env, given, data, start=None):
     """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape
-    (out_dir's to resume, or `start`), or the given one with the data's vocabulary padded to a
-    multiple of 64 (50257 -> 50304), whose padded rows never get probability (tokenizer_vocab)."""
+    (out_dir's to resume, or `start`, whose context a smaller --block_size crops), or the given one
+    with the data's vocabulary padded to a multiple of 64 (50257 -> 50304), whose padded rows never
+    get probability (tokenizer_vocab)."""
     vocab = prepare.load_meta(data)["vocab_size"]
     if cfg.init_from == "scratch":
         size = mcfg.vocab_size if "vocab_size" in given else vocab + (-vocab) % 64
@@ -350,6 +351,12 @@ def model_config_for(mcfg, cfg, env, given, data, start=None):
     resuming = cfg.init_from == "resume"
     ckpt = resume.load_run(cfg, env) if resuming else start
     changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}
+    shorter = mcfg.block_size < ckpt["model_config"]["block_size"]
+    if not resuming and "block_size" in given and shorter:  # nanoGPT's crop_block_size
+        changes["block_size"] = mcfg.block_size
+        if "wpe.weight" in ckpt["model"]:  # learned positions: the first block_size of them
+            weights = {**ckpt["model"], "wpe.weight": ckpt["model"]["wpe.weight"][:mcfg.block_size]}
+            ckpt = {**ckpt, "model": weights}
     saved = ModelConfig(**{**ckpt["model_config"], **changes})  # a run may change only these
     if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
         raise UserError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary "

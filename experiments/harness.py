@@ -36,6 +36,8 @@ def main(argv):
     finally:
         sys.argv = saved
     if getattr(args, "model", None) == eval.LM_NAME:  # bad --model_args fail before lm-eval runs
+        if not any(a == "--device" or a.startswith("--device=") for a in argv):
+            args.device = "auto"  # lm-eval's default is cuda:0; this project's, as every script's
         eval.model_args_config(args.model_args or {})
     cli.execute(args)
 

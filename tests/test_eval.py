@@ -179,7 +179,8 @@ def test_an_empty_context_is_the_end_of_text_token_or_the_first_byte(tokenizer):
 @needs_lm_eval
 def test_lm_evals_own_command_line_runs_a_checkpoint_by_name(tmp_path, monkeypatch):
     """`python -m experiments.harness --model diffeqformer --model_args init_from=...,steps=5`:
-    lm-eval's command line builds the adapter from its registry by name; an ODE at 5 steps scores
+    lm-eval's command line builds the adapter from its registry by name, on the device every script
+    picks (auto: here the CPU, where lm-eval's own default is cuda:0); an ODE at 5 steps scores
     what the 5-layer model materialised from it scores through eval.py's adapter."""
     import lm_eval.tasks
     from experiments import harness
@@ -188,7 +189,7 @@ def test_lm_evals_own_command_line_runs_a_checkpoint_by_name(tmp_path, monkeypat
                                                                         include_defaults=False))
     ode = random_model(vocab_size=256, block_size=BLOCK)
     path = save_model(tmp_path / "ode.pt", ode)
-    harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},steps=5,device=cpu",
+    harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},steps=5",
                   "--tasks", ",".join(TASKS[:3]), "--include_path", TASK_DIR, "--batch_size", "3",
                   "--output_path", str(tmp_path / "out")])
     [written] = glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)

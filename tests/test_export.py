@@ -85,8 +85,9 @@ def same_outputs(a, b, vocab=TINY["vocab_size"]):
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_then_load_gives_the_same_model(kind, saved, tmp_path):
     export.export(saved[kind], str(tmp_path / "folder"))
-    assert sorted(os.listdir(tmp_path / "folder")) == ["README.md", "config.json",
-                                                       "model.safetensors"]
+    written = set(os.listdir(tmp_path / "folder"))  # (and tokenizer.json with transformers)
+    assert written >= {"README.md", "config.json", "generation_config.json", "model.safetensors",
+                       "model.py", "configuration_diffeqformer.py", "modeling_diffeqformer.py"}
     original, ckpt = checkpoints.load_model(saved[kind])
     loaded, folder = checkpoints.load_model(str(tmp_path / "folder"))
     assert loaded.cfg == original.cfg and folder["tokenizer"] == ckpt["tokenizer"]
@@ -261,7 +262,7 @@ def test_push_to_hub_offline_is_one_line(saved, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     err = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={tmp_path}",
                                  "--push_to_hub=someone/model"], capsys, monkeypatch)
-    assert "could not push" in err
+    assert "could not push" in err and "`hf auth login`" in err
 
 
 def test_without_transformers_hf_is_one_line(saved, tmp_path, monkeypatch):
@@ -272,3 +273,70 @@ def test_without_transformers_hf_is_one_line(saved, tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(UserError, match="transformers model folder"):
         checkpoints.load(str(tmp_path))
+
+
+# -- 5. what a user gets wrong with folders and checkpoints: one line each ------------------------
+
+def broken_config(folder, edit):
+    config = json.load(open(folder / "config.json"))
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("invalid JSON", "config.json is not valid JSON"),
+    ("no tokenizer", "config.json has no 'tokenizer': not a complete export"),
+    ("no config.json", "is a folder without config.json: not a model folder"),
+    ("another width", "in the file, ("),  # hyper.attn.A_W is (3072, 8) in the file, (12288, 8) ...
+    ("no model_type", "holds a config.json without a model_type; this project reads its own exports"),
+    ("a bert", "holds a model of type 'bert'"),
+])
+def test_a_broken_folder_is_one_line(saved, tmp_path, capsys, monkeypatch, fault, message):
+    folder = tmp_path / "folder"
+    export.export(saved["diffeq"], str(folder))
+    if fault == "invalid JSON":
+        (folder / "config.json").write_text('{"format": "diffeqformer",')
+    elif fault == "no tokenizer":
+        broken_config(folder, lambda c: c.pop("tokenizer"))
+    elif fault == "no config.json":
+        os.remove(folder / "config.json")
+    elif fault == "another width":
+        broken_config(folder, lambda c: c["model_config"].update(n_embd=64))
+    else:
+        (folder / "config.json").write_text(json.dumps({"model_type": "bert"} if fault == "a bert" else {}))
+    err = one_line(sample.main, [f"--init_from={folder}"], capsys, monkeypatch)
+    assert err.startswith("error: ") and message in err, err
+
+
+def test_a_checkpoint_whose_config_disagrees_with_its_weights_is_one_line(saved, tmp_path, capsys, monkeypatch):
+    ckpt = checkpoints.load(saved["gpt"])
+    ckpt["model_config"]["n_embd"] = 64
+    checkpoints.save(ckpt, str(tmp_path / "ckpt.pt"))
+    err = one_line(sample.main, [f"--init_from={tmp_path / 'ckpt.pt'}"], capsys, monkeypatch)
+    assert "does not hold the weights of its baseline model (wte.weight is (96, 32) in the file" in err
+
+
+def test_hf_format_of_a_diffeq_model_is_refused_before_the_folder_is_made(saved, tmp_path, capsys, monkeypatch):
+    transformers()
+    err = one_line(export.main, [f"--init_from={saved['diffeq']}", f"--out={tmp_path / 'out'}", "--format=hf"],
+                   capsys, monkeypatch)
+    assert "no transformers class" in err and not (tmp_path / "out").exists()
+
+
+def test_exporting_a_folder_again_keeps_its_validation_loss(saved, tmp_path):
+    export.export(saved["diffeq"], str(tmp_path / "a"))
+    export.export(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert json.load(open(tmp_path / "b" / "config.json"))["val_loss"] == 2.5
+    assert "2.5000 nats per token" in open(tmp_path / "b" / "README.md").read()
+
+
+def test_a_shorter_block_size_crops_a_gpt2_start(tmp_path):
+    """--block_size below the start's context keeps its first block_size learned positions, as
+    nanoGPT's crop_block_size: a small run from GPT-2 need not carry 1024 positions."""
+    tiny_gpt2(tmp_path / "gpt2")
+    train.main([f"--init_from={tmp_path / 'gpt2'}", f"--out_dir={tmp_path / 'out'}", "--block_size=16",
+                "--max_iters=1", "--eval_interval=1", "--eval_iters=1", "--batch_size=2", "--device=cpu",
+                f"--data_root={tmp_path / 'data'}"])
+    start, _ = checkpoints.load_model(str(tmp_path / "gpt2"))
+    model, ckpt = checkpoints.load_model(str(tmp_path / "out" / "ckpt.pt"))
+    assert start.cfg.block_size == 32 and model.cfg.block_size == 16 and model.wpe.weight.shape == (16, 32)
