@@ -1,0 +1,56 @@
+"""
+What a checksum of a checkpoint's weights would cost against its load: the reason checkpoints carry
+none (docs/training.md, "Reliability").
+
+    python -m experiments.checksum        # the default 3.4M model and GPT-2 small (124M), 1 thread
+
+For each model: checkpoints.load_model of a checkpoint file (median of 6 after a warm-up), and a crc32
+(zlib, about 1.6 GB/s here) over the loaded weights' bytes, in the same process, interleaved.
+"""
+import os
+import statistics
+import tempfile
+import time
+import zlib
+
+import torch
+
+import checkpoints
+from model import DiffEqFormer, ModelConfig
+
+MODELS = {
+    "the default model (config/shakespeare.py)": dict(vocab_size=256, n_layer=6, n_head=4, n_embd=128,
+                                                      block_size=128, d_t=16, time_freqs=16, init="gpt"),
+    "GPT-2 small": dict(model_type="baseline", n_layer=12, n_head=12, n_embd=768, block_size=1024),
+}
+
+
+def crc32(state_dict):
+    value = 0
+    for t in state_dict.values():
+        value = zlib.crc32(memoryview(t.contiguous().view(torch.uint8).numpy()), value)
+    return value
+
+
+def main():
+    torch.set_num_threads(1)
+    for name, shape in MODELS.items():
+        model = DiffEqFormer(ModelConfig(**shape))
+        path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(),
+                              model=model.state_dict(), tokenizer="byte"), path)
+        loads, sums = [], []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            _, ckpt = checkpoints.load_model(path)
+            loads.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            crc32(ckpt["model"])
+            sums.append(time.perf_counter() - t0)
+        load, check = statistics.median(loads[1:]), statistics.median(sums[1:])
+        print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, load {1e3 * load:.1f} ms, crc32 "
+              f"of the weights {1e3 * check:.1f} ms = {100 * check / load:.0f}% of the load")
+
+
+if __name__ == "__main__":
+    main()
