@@ -55,6 +55,7 @@ ITERS = 500  # iterations of every pretraining run (the CPU default shape: width
 FINETUNE_ITERS = 100
 LEARNING_RATES = (7.5e-4, 1.5e-3, 3e-3, 6e-3)  # twice apart; each model's best lies inside
 SEEDS = (1337, 1338)
+EXTRA_SEEDS = (1339, 1340)  # 6.: GPT and DiffEqFormer again where their gap is within the seed spread
 MODELS = {  # key: (label, train.py options)
     "gpt": ("GPT", ["--model_type=baseline"]),
     "shared": ("weight sharing", ["--model_type=shared"]),
@@ -76,6 +77,7 @@ DEPTH_STEPS = "4,6,8,12,18,24,36"
 BUDGETS = (500, 1000, 2000, 4000)  # 6.: iterations, each the length of the whole schedule
 QUICK_BUDGETS = (2, 4)
 BUDGET_MODELS = ("gpt", "shared", "diffeq")  # the Llama pair is left out (time)
+EXTRA_MODELS = ("gpt", "diffeq")  # weight sharing is 0.10-0.15 behind GPT on every seed: two suffice
 BUDGET_DATASET = "shakespeare_wikitext"  # prepare.py: both texts, the last 10% of each held out
 BUDGET_EVAL = 500  # iterations between a budget run's evaluations (and at its end)
 RECHECK = (0.5, 2.0)  # the best rate times these, at the longest budget, seed 1
@@ -461,7 +463,10 @@ def budget_name(model, budget, seed, factor=1.0, first=SEEDS[0]):
 def budget_plan(cfg, rates, better=None):
     """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
     run is a complete curve over fewer budgets), then the rate recheck at the longest, then the
-    second seed at each rate that the recheck found better, {model: factor} in `better`."""
+    second seed at each rate that the recheck found better, {model: factor} in `better`. Then, in
+    stages of their own, EXTRA_SEEDS for GPT and DiffEqFormer at every budget but the shortest
+    (where their gap is within the seed spread; at the shortest it is far outside), shortest
+    first, and at the longest at their better rate too."""
     budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
     evals = ["--eval_iters=2"] if cfg.quick else []
 
@@ -482,7 +487,23 @@ def budget_plan(cfg, rates, better=None):
              for m in BUDGET_MODELS for x in RECHECK]
     jobs += [job(m, longest, SEEDS[1], x, last + 1)
              for m, x in (better or {}).items()]
+    more = {b: last + 2 + i for i, b in enumerate(budgets[1:])}  # after the jobs above, unchanged
+    jobs += [job(m, b, seed, 1.0, stage)
+             for b, stage in more.items() for seed in EXTRA_SEEDS for m in EXTRA_MODELS]
+    jobs += [job(m, longest, seed, x, more[longest])
+             for m, x in (better or {}).items() if m in EXTRA_MODELS for seed in EXTRA_SEEDS]
     return jobs
+
+
+def budget_seeds(jobs):
+    """{model: {budget: [seeds]}} of the jobs at the sweep's rate: the seeds each model has at each
+    budget, for the json (whose keys are strings: the budget is one too)."""
+    seeds = {}
+    for job in jobs:
+        model, budget = job.meta["model"], str(job.meta["budget"])
+        if job.meta["factor"] == 1.0:
+            seeds.setdefault(model, {}).setdefault(budget, []).append(job.meta["seed"])
+    return {m: {budget: sorted(s) for budget, s in by_budget.items()} for m, by_budget in seeds.items()}
 
 
 def budget_row(job, folder, argv, seconds):
@@ -726,11 +747,13 @@ def budget_ledger(cfg, out):
     best = recheck_best(recorded) if recorded else {}
     jobs = budget_plan(cfg, rates, {m: x for m, x in best.items() if x != 1.0})
     meta = prepare.load_meta(prepare.data_dir_of(cfg.data_root, BUDGET_DATASET, "byte"))
+    seeds = budget_seeds(jobs)
     info = dict(dataset=BUDGET_DATASET, train_tokens=meta["train_tokens"],
                 val_tokens=meta["val_tokens"], tokens_per_iter=BATCH * BLOCK,
                 budgets=list(QUICK_BUDGETS if cfg.quick else BUDGETS),
-                seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,
-                models={m: dict(label=MODELS[m][0], learning_rate=rates[m]) for m in BUDGET_MODELS})
+                seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,  # seeds: every model's
+                models={m: dict(label=MODELS[m][0], learning_rate=rates[m], seeds=seeds[m])
+                        for m in BUDGET_MODELS})
     draw = lambda r: render_budget(r, out)
     return jobs, Ledger(path, jobs, info, draw)
 
