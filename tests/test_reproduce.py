@@ -293,8 +293,13 @@ def test_budget_row_counts_tokens_and_training_flops(tmp_path):
     assert (row["val_loss"], row["train_loss"]) == (2.5, 2.5) and row["evals"][0] == [0, 3.0, 3.0]
 
 
-def budget_record(runs):
-    models = {m: dict(label=m.upper(), learning_rate=1e-3) for m in ("gpt", "diffeq")}
+def budget_record(runs, seeds=None):
+    """A record of two models and budgets 500 and 1000; `seeds`: {model: {budget: seeds}} where a
+    model has other seeds than 1 and 2."""
+    models = {m: dict(label=m.upper(), learning_rate=1e-3, seeds={"500": [1, 2], "1000": [1, 2]})
+              for m in ("gpt", "diffeq")}
+    for m, by_budget in (seeds or {}).items():
+        models.setdefault(m, dict(label=m.upper(), learning_rate=1e-3, seeds={}))["seeds"].update(by_budget)
     return dict(dataset="d", tokens_per_iter=2048, budgets=[500, 1000], seeds=[1, 2],
                 recheck=[0.5, 2.0], models=models, runs=runs)
 
@@ -315,7 +320,7 @@ def test_budget_tables_show_pending_jobs_the_seed_spread_and_the_rank():
     lr = tables["budget_lr"].splitlines()
     assert "| GPT | 0.0005: pending | 0.001: pending | 0.002: **2.0000** |" in lr
     versus = tables["budget_vs"].splitlines()  # DiffEqFormer - GPT, seed by seed
-    assert versus[0] == "| iterations | DIFFEQ - GPT, seed 1 / seed 2 | mean | ahead |"
+    assert versus[0] == "| iterations | DIFFEQ - GPT, per seed | mean (+- s.e. from 3 seeds) | ahead |"
     assert "| 500 | +0.0500 / -0.1500 | -0.0500 | the seeds disagree |" in versus
     assert "| 1000 | pending | | |" in versus
     runs.update({"budget-gpt-500-s2": row(2.3, 2.2)})
@@ -330,7 +335,7 @@ def test_budget_tables_show_pending_jobs_the_seed_spread_and_the_rank():
     assert "| 500 | +0.0400 / +0.0500 | +0.0450 | GPT, every seed |" in versus
 
 
-def test_the_longest_budget_at_each_models_best_rate_uses_both_seeds_at_that_rate():
+def test_the_longest_budget_at_each_models_best_rate_uses_every_seed_at_that_rate():
     row = lambda loss: dict(val_loss=loss, train_loss=loss, tokens=1, flops=1.0, evals=[])
     runs = {"budget-gpt-1000-s1": row(2.0), "budget-gpt-1000-s2": row(2.1),
             "budget-diffeq-1000-s1": row(1.9), "budget-diffeq-1000-s2": row(2.2),
@@ -349,6 +354,76 @@ def test_the_longest_budget_at_each_models_best_rate_uses_both_seeds_at_that_rat
     best = reproduce.budget_tables(b)["budget_best"].splitlines()
     assert best[2] == "| GPT | 0.002 (2 x) | 1.8000 / 2.0000 | 1.9000 +- 0.1000 | | | |"
     assert best[3].endswith("| +0.1000 / +0.2000 | +0.1500 | GPT, every seed |")
+    b["models"]["gpt"]["seeds"]["1000"] = b["models"]["diffeq"]["seeds"]["1000"] = [1, 2, 3]
+    runs.update({"budget-gpt-1000-lr2x-s3": row(1.9), "budget-diffeq-1000-s3": row(2.0)})
+    best = reproduce.budget_tables(b)["budget_best"].splitlines()  # a third seed at each best rate
+    assert best[2] == "| GPT | 0.002 (2 x) | 1.8000 / 2.0000 / 1.9000 | 1.9000 +- 0.0577 | | | |"
+    assert best[3] == ("| DIFFEQ | 0.001 (1 x) | 1.9000 / 2.2000 / 2.0000 | 2.0333 +- 0.0882 | "
+                       "+0.1000 / +0.2000 / +0.1000 | +0.1333 +- 0.0333 | GPT, every seed |")
+    del runs["budget-gpt-1000-lr2x-s3"]  # its third seed still running
+    best = reproduce.budget_tables(b)["budget_best"].splitlines()
+    assert best[2] == "| GPT | 0.002 (2 x) | 1.8000 / 2.0000 (2 of 3 seeds) | 1.9000 +- 0.1000 | | | |"
+    assert best[3].endswith("| +0.1000 / +0.2000 (2 of 3 seeds) | +0.1500 | GPT, every seed |")
+
+
+def test_paired_differences_over_the_seeds_both_models_have_and_their_mean_with_its_error():
+    """versus() on hand-made numbers: the pairs are the seeds both have finished, in seed order; the
+    standard error of the mean difference (sd over sqrt(n)) from 3 pairs on."""
+    import statistics
+    reference = {1337: 2.00, 1338: 2.10, 1339: 2.20, 1340: 2.30}
+    losses = {1337: 2.01, 1338: 2.08, 1340: 2.34, 1341: 9.0}  # 1339 still running; 1341: no pair
+    diffs = [0.01, -0.02, 0.04]
+    mean, se = statistics.mean(diffs), statistics.stdev(diffs) / 3 ** 0.5
+    assert (round(mean, 4), round(se, 4)) == (0.01, 0.0173)
+    assert reproduce.mean_se(diffs) == pytest.approx((mean, se))
+    assert reproduce.mean_se([2.0, 2.1]) == pytest.approx(reproduce.mean_spread([2.0, 2.1]))  # 2 seeds
+    assert reproduce.versus(losses, reference, 4, "ODE", "GPT") == \
+        "+0.0100 / -0.0200 / +0.0400 (3 of 4 seeds) | +0.0100 +- 0.0173 | the seeds disagree"
+    losses[1338] = 2.12  # ahead in every seed: the reference
+    assert reproduce.versus(losses, reference, 3, "ODE", "GPT").endswith(
+        "+0.0100 / +0.0200 / +0.0400 | +0.0233 +- 0.0088 | GPT, every seed")
+    two = {1337: 1.9, 1338: 2.0}  # two pairs: the mean alone
+    assert reproduce.versus(two, reference, 4, "ODE", "GPT") == \
+        "-0.1000 / -0.1000 (2 of 4 seeds) | -0.1000 | ODE, every seed"
+    assert reproduce.versus({1337: 1.9}, reference, 4, "ODE", "GPT") == "pending | |"  # one pair
+
+
+def test_budget_tables_with_four_seeds_for_gpt_and_diffeqformer_and_two_for_weight_sharing(tmp_path):
+    """Every seed a model has at a budget, in seed order, with those still running counted; the
+    paired differences over the seeds both models have."""
+    four, two = [1, 2, 3, 4], [1, 2]
+    seeds = {m: {"500": two, "1000": four} for m in ("gpt", "diffeq")}
+    seeds["shared"] = {"500": two, "1000": two}
+    loss = dict(gpt=[2.0, 2.1, 2.2, 2.3], diffeq=[2.05, 2.06, 2.24, 2.33], shared=[2.5, 2.6])
+    row = lambda v: dict(val_loss=v, train_loss=v - 0.1, tokens=1, flops=1.0, evals=[[500, 1.0, v]])
+    runs = {f"budget-{m}-{budget}-s{seed}": row(loss[m][i] - (budget == 1000) / 10)
+            for m in loss for budget in (500, 1000) for i, seed in enumerate(seeds[m][str(budget)])}
+    del runs["budget-diffeq-1000-s4"]  # still running
+    b = budget_record(runs, seeds)
+    tables = reproduce.budget_tables(b)
+    curve = tables["budget"].splitlines()
+    assert curve[0].startswith("| iterations | tokens | model | learning rate | training FLOPs | "
+                               "val loss, per seed | mean +- s.e. | rank |")
+    assert "| 500 | 1.02M | GPT | 0.001 | 1 | 2.0000 / 2.1000 | 2.0500 +- 0.0500 | 1 of 3 | +0.1000 |" in curve
+    assert ("| 1000 | 2.05M | GPT | 0.001 | 1 | 1.9000 / 2.0000 / 2.1000 / 2.2000 | 2.0500 +- 0.0645 | "
+            "2 of 3 | +0.1000 |") in curve
+    assert ("| 1000 | 2.05M | DIFFEQ | 0.001 | 1 | 1.9500 / 1.9600 / 2.1400 (3 of 4 seeds) | "
+            "2.0167 +- 0.0617 | 1 of 3 | +0.1000 |") in curve  # three of its four seeds have run
+    assert "| 1000 | 2.05M | SHARED | 0.001 | 1 | 2.4000 / 2.5000 | 2.4500 +- 0.0500 | 3 of 3 | +0.1000 |" in curve
+    versus = tables["budget_vs"].splitlines()
+    assert versus[0] == ("| iterations | DIFFEQ - GPT, per seed | mean (+- s.e. from 3 seeds) | ahead | "
+                         "SHARED - GPT, per seed | mean (+- s.e. from 3 seeds) | ahead |")
+    assert versus[2] == ("| 500 | +0.0500 / -0.0400 | +0.0050 | the seeds disagree | "
+                         "+0.5000 / +0.5000 | +0.5000 | GPT, every seed |")
+    assert versus[3] == ("| 1000 | +0.0500 / -0.0400 / +0.0400 (3 of 4 seeds) | +0.0167 +- 0.0285 | "
+                         "the seeds disagree | +0.5000 / +0.5000 | +0.5000 | GPT, every seed |")
+    for name in ("budget-diffeq-1000-s3", "budget-diffeq-1000-s2"):  # one of four: pending
+        del runs[name]
+    tables = reproduce.budget_tables(b)
+    assert "| 1000 | 2.05M | DIFFEQ | 0.001 | pending | pending | pending | | |" in tables["budget"].splitlines()
+    assert tables["budget_vs"].splitlines()[3].startswith("| 1000 | pending | | | +0.5000 / +0.5000 |")
+    reproduce.budget_figure(b, str(tmp_path / "budget.png"))  # draws what has finished
+    assert (tmp_path / "budget.png").stat().st_size > 0
 
 
 def test_the_committed_budget_section_is_drawn_from_its_json():
