@@ -3,7 +3,7 @@ Reproduce the paper's experiments at laptop scale: every number and figure of re
 
     python -m experiments.reproduce            # about 80 minutes on 2 CPU cores; run again to resume
     python -m experiments.reproduce --quick    # every job for a few iterations: checks the pipeline (~10 min)
-    python -m experiments.reproduce --only=budget --jobs=1   # 6. the budget curve alone (~9 h)
+    python -m experiments.reproduce --only=budget --jobs=1   # 6. the budget curve alone (~14 h; ~7 h with 2 jobs)
 
 Each experiment is a run of this repository's own tools (train.py, finetune.py, experiments/depth.py,
 analyze.py) in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
@@ -26,6 +26,9 @@ The experiments (Tong et al., ICLR 2025; results/README.md says what each one sh
    with a schedule as long as its budget (500 to 4000 iterations), two seeds, on tiny Shakespeare
    and WikiText-2's test split together; each rate halved and doubled at the longest budget, and
    a rate found better there run on the second seed too (planned once the recheck has finished).
+   Then two more seeds for GPT and DiffEqFormer where their gap is within the seed spread: 1000 to
+   4000 iterations, and at 4000 at a better rate too (16 jobs: 1000 iterations take ~6 min, 2000
+   ~12, 4000 ~25 on one core with two jobs side by side: ~2.3 h).
    Each of its jobs is recorded in results.json as it finishes, and the page's section 6 rewritten:
    a run spread over sessions resumes from the committed json, even without the run folders.
 --only=paper runs 1-5, --only=budget runs 6 (at the rates that results/results.json holds).
@@ -55,6 +58,7 @@ ITERS = 500  # iterations of every pretraining run (the CPU default shape: width
 FINETUNE_ITERS = 100
 LEARNING_RATES = (7.5e-4, 1.5e-3, 3e-3, 6e-3)  # twice apart; each model's best lies inside
 SEEDS = (1337, 1338)
+EXTRA_SEEDS = (1339, 1340)  # 6.: GPT and DiffEqFormer again where their gap is within the seed spread
 MODELS = {  # key: (label, train.py options)
     "gpt": ("GPT", ["--model_type=baseline"]),
     "shared": ("weight sharing", ["--model_type=shared"]),
@@ -76,9 +80,11 @@ DEPTH_STEPS = "4,6,8,12,18,24,36"
 BUDGETS = (500, 1000, 2000, 4000)  # 6.: iterations, each the length of the whole schedule
 QUICK_BUDGETS = (2, 4)
 BUDGET_MODELS = ("gpt", "shared", "diffeq")  # the Llama pair is left out (time)
+EXTRA_MODELS = ("gpt", "diffeq")  # weight sharing is 0.10-0.15 behind GPT on every seed: two suffice
 BUDGET_DATASET = "shakespeare_wikitext"  # prepare.py: both texts, the last 10% of each held out
 BUDGET_EVAL = 500  # iterations between a budget run's evaluations (and at its end)
 RECHECK = (0.5, 2.0)  # the best rate times these, at the longest budget, seed 1
+MIN_SEEDS = 2  # a cell of section 6 shows once this many of its seeds have finished (a mean, a spread)
 BATCH, BLOCK = 16, 128  # sequences per iteration and tokens per sequence (config/shakespeare.py)
 
 
@@ -461,7 +467,10 @@ def budget_name(model, budget, seed, factor=1.0, first=SEEDS[0]):
 def budget_plan(cfg, rates, better=None):
     """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
     run is a complete curve over fewer budgets), then the rate recheck at the longest, then the
-    second seed at each rate that the recheck found better, {model: factor} in `better`."""
+    second seed at each rate that the recheck found better, {model: factor} in `better`. Then, in
+    stages of their own, EXTRA_SEEDS for GPT and DiffEqFormer at every budget but the shortest
+    (where their gap is within the seed spread; at the shortest it is far outside), shortest
+    first, and at the longest at their better rate too."""
     budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
     evals = ["--eval_iters=2"] if cfg.quick else []
 
@@ -482,7 +491,23 @@ def budget_plan(cfg, rates, better=None):
              for m in BUDGET_MODELS for x in RECHECK]
     jobs += [job(m, longest, SEEDS[1], x, last + 1)
              for m, x in (better or {}).items()]
+    more = {b: last + 2 + i for i, b in enumerate(budgets[1:])}  # after the jobs above, unchanged
+    jobs += [job(m, b, seed, 1.0, stage)
+             for b, stage in more.items() for seed in EXTRA_SEEDS for m in EXTRA_MODELS]
+    jobs += [job(m, longest, seed, x, more[longest])
+             for m, x in (better or {}).items() if m in EXTRA_MODELS for seed in EXTRA_SEEDS]
     return jobs
+
+
+def budget_seeds(jobs):
+    """{model: {budget: [seeds]}} of the jobs at the sweep's rate: the seeds each model has at each
+    budget, for the json (whose keys are strings: the budget is one too)."""
+    seeds = {}
+    for job in jobs:
+        model, budget = job.meta["model"], str(job.meta["budget"])
+        if job.meta["factor"] == 1.0:
+            seeds.setdefault(model, {}).setdefault(budget, []).append(job.meta["seed"])
+    return {m: {budget: sorted(s) for budget, s in by_budget.items()} for m, by_budget in seeds.items()}
 
 
 def budget_row(job, folder, argv, seconds):
@@ -540,47 +565,86 @@ class Ledger:
         self.write(r)
 
 
+def seeds_at(b, model, budget):
+    """The seeds that `model` has at `budget` in the record `b` (at its best rate there too)."""
+    return b["models"][model]["seeds"][str(budget)]
+
+
+def seed_runs(b, model, budget, factor=1.0):
+    """{seed: row} of the finished runs of `model` at `budget` and the rate times `factor`, in seed
+    order, out of the seeds it has there."""
+    names = {s: budget_name(model, budget, s, factor, b["seeds"][0]) for s in seeds_at(b, model, budget)}
+    return {s: b["runs"][n] for s, n in names.items() if n in b["runs"]}
+
+
+def val_losses(rows):
+    """{seed: validation loss} of {seed: row}."""
+    return {s: row["val_loss"] for s, row in rows.items()}
+
+
+def paired(b, model, reference, budget):
+    """How many seeds `model` and `reference` both have at `budget`: the pairs of a difference."""
+    return len(set(seeds_at(b, model, budget)) & set(seeds_at(b, reference, budget)))
+
+
 def budget_points(b):
-    """{model: [(budget, [seed losses], [seed gaps], tokens, flops)]} of the finished budgets, and
-    {model: {factor: val loss}} of the recheck at the longest budget (1: seed 1, the best rate)."""
-    runs, budgets = b["runs"], b["budgets"]
-    points, recheck = {}, {}
+    """{model: {budget: {seed: row}}} of the finished runs at the sweep's rate, at the budgets where
+    MIN_SEEDS or more of the model's seeds have finished."""
+    points = {}
     for m in b["models"]:
-        points[m] = []
-        for budget in budgets:
-            rows = [runs.get(budget_name(m, budget, seed)) for seed in b["seeds"]]
-            if all(rows):
-                points[m].append((budget, [r["val_loss"] for r in rows],
-                                  [r["val_loss"] - r["train_loss"] for r in rows],
-                                  rows[0]["tokens"], rows[0]["flops"]))
-        first = b["seeds"][0]
-        names = {x: budget_name(m, budgets[-1], first, x, first) for x in [1.0, *b["recheck"]]}
-        recheck[m] = {x: runs[n]["val_loss"] if n in runs else None
+        runs = {budget: seed_runs(b, m, budget) for budget in b["budgets"]}
+        points[m] = {budget: rows for budget, rows in runs.items() if len(rows) >= MIN_SEEDS}
+    return points
+
+
+def budget_recheck(b):
+    """{model: {factor: val loss, None while it runs}} of the recheck at the longest budget on the
+    first seed (1: the sweep's rate)."""
+    longest, first = b["budgets"][-1], b["seeds"][0]
+    recheck = {}
+    for m in b["models"]:
+        names = {x: budget_name(m, longest, first, x, first) for x in [1.0, *b["recheck"]]}
+        recheck[m] = {x: b["runs"][n]["val_loss"] if n in b["runs"] else None
                       for x, n in sorted(names.items())}
-    return points, recheck
+    return recheck
+
+
+def mean_se(values):
+    """The mean of a few seeds' values and its standard error: their standard deviation (n - 1)
+    over sqrt(n), which for two seeds is half their range."""
+    values = list(values)
+    return float(np.mean(values)), float(np.std(values, ddof=1) / np.sqrt(len(values)))
+
+
+def per_seed(cells, planned):
+    """The finished seeds' values in seed order, "a / b", and "(2 of 4 seeds)" while some of the
+    `planned` seeds have still to run."""
+    pending = f" ({len(cells)} of {planned} seeds)" if len(cells) < planned else ""
+    return " / ".join(cells) + pending
 
 
 def budget_tables(b):
-    """The page's section 6 tables: the curve (every budget and model, pending where unfinished, the
-    models ranked at each budget) and the rate recheck."""
-    points, recheck = budget_points(b)
+    """The page's section 6 tables: the curve (every budget and model over the seeds it has there,
+    pending where unfinished, the models ranked at each budget) and the rate recheck."""
+    points, recheck = budget_points(b), budget_recheck(b)
     curve = ["| iterations | tokens | model | learning rate | training FLOPs | "
-             "val loss, seed 1 / seed 2 | mean +- half range | rank | train/val gap (mean) |",
+             "val loss, per seed | mean +- s.e. | rank | train/val gap (mean) |",
              "|---" * 9 + "|"]
     for budget in b["budgets"]:
-        done = {m: p for m in b["models"] for p in points[m] if p[0] == budget}
-        order = sorted(done, key=lambda m: np.mean(done[m][1]))
+        done = {m: val_losses(points[m][budget]) for m in b["models"] if budget in points[m]}
+        order = sorted(done, key=lambda m: np.mean(list(done[m].values())))
         for m, model in b["models"].items():
             tokens = budget * b["tokens_per_iter"] / 1e6
             head = f"| {budget} | {tokens:.2f}M | {model['label']} | {model['learning_rate']:g} |"
             if m not in done:
                 curve.append(head + " pending | pending | pending | | |")
                 continue
-            _, losses, gaps, _, flops = done[m]
-            mean, spread = mean_spread(losses)
-            curve.append(f"{head} {flops:.3g} | {' / '.join(f'{v:.4f}' for v in losses)} | "
-                         f"{mean:.4f} +- {spread:.4f} | {order.index(m) + 1} of {len(done)} | "
-                         f"{np.mean(gaps):+.4f} |")
+            rows = list(points[m][budget].values())
+            mean, se = mean_se(done[m].values())
+            seeds = per_seed([f"{v:.4f}" for v in done[m].values()], len(seeds_at(b, m, budget)))
+            gap = np.mean([r["val_loss"] - r["train_loss"] for r in rows])
+            curve.append(f"{head} {rows[0]['flops']:.3g} | {seeds} | {mean:.4f} +- {se:.4f} | "
+                         f"{order.index(m) + 1} of {len(done)} | {gap:+.4f} |")
     factors = sorted({1.0, *b["recheck"]})
     lr = [f"| model (seed 1, {b['budgets'][-1]} iterations) | "
           + " | ".join(f"{x:g} x the rate" for x in factors) + " |",
@@ -595,13 +659,19 @@ def budget_tables(b):
                 budget_best=budget_best(b))
 
 
-def versus(losses, reference, label, label_reference):
-    """Table cells of one model's losses minus the reference's, seed by seed (a seed draws the same
-    batches for every model), their mean, and which model is ahead in every seed, if one is."""
-    diffs = [v - g for v, g in zip(losses, reference)]
+def versus(losses, reference, planned, label, label_reference):
+    """Table cells of one model's losses minus the reference's ({seed: loss} each), seed by seed over
+    the seeds both have finished (a seed draws the same batches for every model) out of `planned`
+    pairs; their mean, with its standard error from 3 pairs on; and which model is ahead in every
+    pair, if one is. Pending below MIN_SEEDS pairs."""
+    diffs = [losses[s] - reference[s] for s in losses if s in reference]
+    if len(diffs) < MIN_SEEDS:
+        return "pending | |"
     ahead = (f"{label_reference}, every seed" if min(diffs) > 0 else
              f"{label}, every seed" if max(diffs) < 0 else "the seeds disagree")
-    return f"{' / '.join(f'{d:+.4f}' for d in diffs)} | {np.mean(diffs):+.4f} | {ahead}"
+    mean, se = mean_se(diffs)
+    mean = f"{mean:+.4f} +- {se:.4f}" if len(diffs) >= 3 else f"{mean:+.4f}"  # 2: se is half the range
+    return f"{per_seed([f'{d:+.4f}' for d in diffs], planned)} | {mean} | {ahead}"
 
 
 def budget_versus(b, points, reference="gpt"):
@@ -609,13 +679,13 @@ def budget_versus(b, points, reference="gpt"):
     how surely."""
     others = sorted((m for m in b["models"] if m != reference), key=lambda m: m != "diffeq")
     label = lambda m: b["models"][m]["label"]
-    lines = ["| iterations | " + " | ".join(f"{label(m)} - {label(reference)}, seed 1 / seed 2 | "
-                                          f"mean | ahead" for m in others) + " |",
+    lines = ["| iterations | " + " | ".join(f"{label(m)} - {label(reference)}, per seed | "
+                                          f"mean (+- s.e. from 3 seeds) | ahead" for m in others) + " |",
              "|---" * (1 + 3 * len(others)) + "|"]
     for budget in b["budgets"]:
-        losses = {m: p[1] for m in b["models"] for p in points[m] if p[0] == budget}
-        cells = [versus(losses[m], losses[reference], label(m), label(reference))
-                 if m in losses and reference in losses else "pending | |" for m in others]
+        losses = {m: val_losses(points[m].get(budget, {})) for m in b["models"]}
+        cells = [versus(losses[m], losses[reference], paired(b, m, reference, budget), label(m),
+                        label(reference)) for m in others]
         lines.append(f"| {budget} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -623,61 +693,63 @@ def budget_versus(b, points, reference="gpt"):
 def recheck_best(b):
     """{model: factor} of the best rate at the longest budget (seed 1; a tie keeps the smaller), for
     each model whose rate recheck has finished."""
-    _, recheck = budget_points(b)
-    return {m: min(losses, key=losses.get) for m, losses in recheck.items()
+    return {m: min(losses, key=losses.get) for m, losses in budget_recheck(b).items()
             if None not in losses.values()}
 
 
 def best_rate_losses(b):
-    """{model: (factor, [seed losses])} at the longest budget at each model's best rate of the
-    recheck, for the models whose every seed has run at it."""
-    longest, seeds = b["budgets"][-1], b["seeds"]
-    found = {}
+    """{model: (factor, {seed: loss})} at the longest budget at each model's best rate of the
+    recheck, over the seeds finished there, for the models with MIN_SEEDS or more of them."""
+    longest, found = b["budgets"][-1], {}
     for m, x in recheck_best(b).items():
-        names = [budget_name(m, longest, seed, x, seeds[0]) for seed in seeds]
-        if all(n in b["runs"] for n in names):
-            found[m] = x, [b["runs"][n]["val_loss"] for n in names]
+        rows = seed_runs(b, m, longest, x)
+        if len(rows) >= MIN_SEEDS:
+            found[m] = x, val_losses(rows)
     return found
 
 
 def budget_best(b, reference="gpt"):
-    """The longest budget with each model at its best rate of the recheck, both seeds, minus GPT's:
+    """The longest budget with each model at its best rate of the recheck, every seed, minus GPT's:
     the comparison that does not favour a model whose sweep rate happens to suit long runs."""
     longest, found = b["budgets"][-1], best_rate_losses(b)
     label = lambda m: b["models"][m]["label"]
-    lines = [f"| model ({longest} iterations) | best rate (seed 1) | val loss, seed 1 / seed 2 | "
-             f"mean +- half range | minus {label(reference)}, seed 1 / seed 2 | mean | ahead |",
+    lines = [f"| model ({longest} iterations) | best rate (seed 1) | val loss, per seed | "
+             f"mean +- s.e. | minus {label(reference)}, per seed | mean (+- s.e. from 3 seeds) | ahead |",
              "|---" * 7 + "|"]
     for m, model in b["models"].items():
         if m not in found:
             lines.append(f"| {model['label']} | pending | | | | | |")
             continue
         x, losses = found[m]
-        mean, spread = mean_spread(losses)
-        head = (f"| {model['label']} | {x * model['learning_rate']:g} ({x:g} x) | "
-                f"{' / '.join(f'{v:.4f}' for v in losses)} | {mean:.4f} +- {spread:.4f} |")
-        vs = (" | |" if m == reference else " pending | |" if reference not in found else
-              " " + versus(losses, found[reference][1], label(m), label(reference)))
+        mean, se = mean_se(losses.values())
+        seeds = per_seed([f"{v:.4f}" for v in losses.values()], len(seeds_at(b, m, longest)))
+        head = (f"| {model['label']} | {x * model['learning_rate']:g} ({x:g} x) | {seeds} | "
+                f"{mean:.4f} +- {se:.4f} |")
+        reference_losses = found[reference][1] if reference in found else {}
+        vs = (" | |" if m == reference else " " + versus(losses, reference_losses,
+                                                         paired(b, m, reference, longest),
+                                                         label(m), label(reference)))
         lines.append(head + vs + " |")
     return "\n".join(lines)
 
 
 def budget_figure(b, path):
-    """Validation loss (mean of the seeds, half their range as the bar) against iterations, tokens
-    and training FLOPs; dotted: every evaluation of the longest runs (a long run read early); stars:
-    the longest budget at each model's best rate there (mean of the seeds)."""
+    """Validation loss (mean of the finished seeds, its standard error as the bar) against
+    iterations, tokens and training FLOPs; dotted: every evaluation of the longest runs (a long run
+    read early); stars: the longest budget at each model's best rate there (mean of the seeds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    points, _ = budget_points(b)
-    best = best_rate_losses(b)
+    points, best = budget_points(b), best_rate_losses(b)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharey=True)
     for m, model in b["models"].items():
         color = None
-        for ax, x in zip(axes, (0, 3, 4)):
-            xs = [p[x] for p in points[m]]
-            ys, err = zip(*[mean_spread(p[1]) for p in points[m]]) if points[m] else ((), ())
-            bars = ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, color=color,
+        first = [next(iter(rows.values())) for rows in points[m].values()]  # a row of each budget
+        xs = (list(points[m]), [r["tokens"] for r in first], [r["flops"] for r in first])
+        ys, err = zip(*[mean_se(val_losses(rows).values()) for rows in points[m].values()]) \
+            if points[m] else ((), ())
+        for ax, x in zip(axes, xs):
+            bars = ax.errorbar(x, ys, yerr=err, fmt="o-", capsize=3, color=color,
                                label=f"{model['label']} (lr {model['learning_rate']:g})")
             color = bars[0].get_color()
         longest = b["runs"].get(budget_name(m, b["budgets"][-1], b["seeds"][0]))
@@ -688,7 +760,7 @@ def budget_figure(b, path):
             if m in best:  # the same budget at the model's best rate there
                 x, seeds = best[m]
                 for ax, at in zip(axes, (b["budgets"][-1], longest["tokens"], longest["flops"])):
-                    ax.plot([at], [np.mean(seeds)], "*", ms=11, color=color,
+                    ax.plot([at], [np.mean(list(seeds.values()))], "*", ms=11, color=color,
                             label=f"{model['label']} at lr {x * model['learning_rate']:g}"
                             if ax is axes[0] else None)
     axes[0].set(xlabel="iterations (= schedule length)", ylabel="validation loss (nats/byte)")
@@ -726,11 +798,13 @@ def budget_ledger(cfg, out):
     best = recheck_best(recorded) if recorded else {}
     jobs = budget_plan(cfg, rates, {m: x for m, x in best.items() if x != 1.0})
     meta = prepare.load_meta(prepare.data_dir_of(cfg.data_root, BUDGET_DATASET, "byte"))
+    seeds = budget_seeds(jobs)
     info = dict(dataset=BUDGET_DATASET, train_tokens=meta["train_tokens"],
                 val_tokens=meta["val_tokens"], tokens_per_iter=BATCH * BLOCK,
                 budgets=list(QUICK_BUDGETS if cfg.quick else BUDGETS),
-                seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,
-                models={m: dict(label=MODELS[m][0], learning_rate=rates[m]) for m in BUDGET_MODELS})
+                seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,  # seeds: every model's
+                models={m: dict(label=MODELS[m][0], learning_rate=rates[m], seeds=seeds[m])
+                        for m in BUDGET_MODELS})
     draw = lambda r: render_budget(r, out)
     return jobs, Ledger(path, jobs, info, draw)
 

@@ -110,7 +110,8 @@ def option(argv, name):
 def test_each_budget_job_is_a_whole_schedule_of_its_budget_shortest_first(tmp_path):
     jobs = reproduce.budget_plan(ReproduceConfig(runs=str(tmp_path)), RATES)
     budgets, seeds, recheck = reproduce.BUDGETS, reproduce.SEEDS, reproduce.RECHECK
-    assert len(jobs) == len(budgets) * len(seeds) * 3 + 3 * len(recheck)
+    extra = len(budgets[1:]) * len(reproduce.EXTRA_SEEDS) * len(reproduce.EXTRA_MODELS)
+    assert len(jobs) == len(budgets) * len(seeds) * 3 + 3 * len(recheck) + extra
     for job in jobs:
         budget = job.meta["budget"]
         assert int(option(job.argv, "max_iters")) == budget  # the cosine's length (train.py)
@@ -120,8 +121,11 @@ def test_each_budget_job_is_a_whole_schedule_of_its_budget_shortest_first(tmp_pa
         rate = RATES[job.meta["model"]] * job.meta["factor"]
         assert float(option(job.argv, "learning_rate")) == pytest.approx(rate)
     ordered = sorted(jobs, key=lambda j: (j.stage, -j.cost))  # run()'s order
-    stages, budgets = [job.stage for job in ordered], [job.meta["budget"] for job in ordered]
-    assert stages == sorted(stages) and budgets == sorted(budgets)  # partial: the short budgets
+    stages = [job.stage for job in ordered]
+    assert stages == sorted(stages)
+    for group in (reproduce.SEEDS, reproduce.EXTRA_SEEDS):  # the two seeds, then the extra ones
+        budgets = [job.meta["budget"] for job in ordered if job.meta["seed"] in group]
+        assert budgets == sorted(budgets)  # partial: the short budgets
     longest = reproduce.BUDGETS[-1]
     assert {job.meta["factor"] for job in jobs if job.meta["budget"] == longest} == {0.5, 1.0, 2.0}
     assert {job.meta["factor"] for job in jobs if job.meta["budget"] < longest} == {1.0}
@@ -130,13 +134,82 @@ def test_each_budget_job_is_a_whole_schedule_of_its_budget_shortest_first(tmp_pa
 def test_a_better_rate_of_the_recheck_is_run_again_on_the_second_seed_after_it(tmp_path):
     plain = reproduce.budget_plan(ReproduceConfig(runs=str(tmp_path)), RATES)
     jobs = reproduce.budget_plan(ReproduceConfig(runs=str(tmp_path)), RATES, {"gpt": 2.0})
-    [extra] = [job for job in jobs if job.name not in {j.name for j in plain}]
     longest, seed = reproduce.BUDGETS[-1], reproduce.SEEDS[1]
+    [extra] = [job for job in jobs if job.name not in {j.name for j in plain} and job.meta["seed"] == seed]
     assert extra.name == f"budget-gpt-{longest}-lr2x-s{seed}"
     assert (extra.meta["budget"], extra.meta["seed"], extra.meta["factor"]) == (longest, seed, 2.0)
     assert float(option(extra.argv, "learning_rate")) == pytest.approx(2 * RATES["gpt"])
     assert option(extra.argv, "seed") == str(seed)
-    assert extra.stage > max(job.stage for job in plain)  # after the recheck that chose it
+    recheck = [job for job in plain if job.meta["factor"] != 1.0]
+    assert extra.stage == max(job.stage for job in recheck) + 1  # after the recheck that chose it
+
+
+def test_more_seeds_for_gpt_and_diffeqformer_where_their_gap_is_within_the_spread(tmp_path):
+    """Seeds 1339 and 1340: GPT and DiffEqFormer at 1000, 2000 and 4000 iterations at the sweep's
+    rate, and at 4000 at a better rate of the recheck; in stages after every job of the two seeds,
+    which are planned as before."""
+    cfg = ReproduceConfig(runs=str(tmp_path))
+    two = [job for job in reproduce.budget_plan(cfg, RATES) if job.meta["seed"] in reproduce.SEEDS]
+    jobs = reproduce.budget_plan(cfg, RATES)
+    assert [(j.name, j.argv, j.stage) for j in jobs[:len(two)]] == [(j.name, j.argv, j.stage) for j in two]
+    extra = jobs[len(two):]
+    assert [j.name for j in extra] == [f"budget-{m}-{b}-s{seed}" for b in (1000, 2000, 4000)
+                                       for seed in (1339, 1340) for m in ("gpt", "diffeq")]
+    for job in extra:
+        m, budget, seed = job.meta["model"], job.meta["budget"], job.meta["seed"]
+        assert job.argv == ["train.py", *reproduce.MODELS[m][1], "--data_root=data",
+                            "--dataset=shakespeare_wikitext", f"--max_iters={budget}",
+                            "--eval_interval=500", f"--learning_rate={RATES[m]:g}", f"--seed={seed}",
+                            f"--out_dir={tmp_path}/{job.name}"]
+        assert job.meta == dict(model=m, budget=budget, seed=seed, learning_rate=RATES[m], factor=1.0)
+    stages = {b: {j.stage for j in extra if j.meta["budget"] == b} for b in (1000, 2000, 4000)}
+    assert all(len(s) == 1 for s in stages.values())  # a stage per budget, shortest first,
+    assert max(j.stage for j in two) < min(stages[1000]) < min(stages[2000]) < min(stages[4000])
+    better = {"gpt": 2.0, "shared": 2.0, "diffeq": 0.5}  # and after the recheck, at its better rates
+    jobs = reproduce.budget_plan(cfg, RATES, better)
+    rechecked = [j for j in jobs if j.meta["factor"] != 1.0 and j.meta["seed"] in reproduce.EXTRA_SEEDS]
+    assert [j.name for j in rechecked] == ["budget-gpt-4000-lr2x-s1339", "budget-gpt-4000-lr2x-s1340",
+                                           "budget-diffeq-4000-lr0.5x-s1339",
+                                           "budget-diffeq-4000-lr0.5x-s1340"]  # not weight sharing
+    for job in rechecked:
+        m, x = job.meta["model"], better[job.meta["model"]]
+        assert option(job.argv, "learning_rate") == f"{RATES[m] * x:g}"
+        assert option(job.argv, "seed") == str(job.meta["seed"]) and job.meta["factor"] == x
+        assert option(job.argv, "max_iters") == "4000" and job.stage == min(stages[4000])
+    assert [j.name for j in jobs if j.meta["seed"] in reproduce.EXTRA_SEEDS] == \
+        [j.name for j in extra] + [j.name for j in rechecked]  # nothing else is added
+    last = max(j.stage for j in jobs if j.meta["seed"] in reproduce.SEEDS)  # the second seed's
+    assert min(j.stage for j in jobs if j.meta["seed"] in reproduce.EXTRA_SEEDS) > last
+
+
+def test_the_recorded_budget_jobs_keep_their_commands_and_the_plan_grows_after_the_recheck(tmp_path, monkeypatch):
+    """budget_ledger on a copy of the committed results.json: the Ledger keeps each of its recorded
+    rows (a row is kept only when its job's command is unchanged), and the extra seeds at the
+    recheck's better rates are planned only once the recheck is recorded."""
+    monkeypatch.setattr(reproduce.prepare, "load_meta", lambda folder: dict(train_tokens=1, val_tokens=1))
+    monkeypatch.setattr(reproduce, "render_budget", lambda r, out: None)
+    committed = json.load(open(os.path.join(reproduce.RESULTS, "results.json")))
+    if len(committed.get("budget", {}).get("runs", {})) < 33:
+        pytest.skip("the budget curve's 33 jobs of two seeds are not all recorded")
+    recorded = committed["budget"]["runs"]
+    out = tmp_path / "out"
+    os.makedirs(out)
+    json.dump(committed, open(out / "results.json", "w"))
+    jobs, _ = reproduce.budget_ledger(ReproduceConfig(), str(out))
+    kept = json.load(open(out / "results.json"))["budget"]
+    assert kept["runs"] == recorded  # all 33 rows: every recorded command is planned unchanged
+    assert {j.name: j.argv for j in jobs if j.name in recorded} == {n: r["argv"] for n, r in recorded.items()}
+    new = [j.name for j in jobs if j.name not in recorded]
+    assert len(new) == 16 and all(n.endswith(("-s1339", "-s1340")) for n in new)
+    assert {n for n in new if "-lr" in n} == {f"budget-{m}-4000-{x}-s{seed}" for m, x in
+                                              (("gpt", "lr2x"), ("diffeq", "lr0.5x")) for seed in (1339, 1340)}
+    four, two = [1337, 1338, 1339, 1340], [1337, 1338]
+    for m, seeds in (("gpt", four), ("shared", two), ("diffeq", four)):
+        assert kept["models"][m]["seeds"] == {"500": two, "1000": seeds, "2000": seeds, "4000": seeds}
+    committed["budget"]["runs"] = {n: r for n, r in recorded.items() if "-lr" not in n}  # no recheck
+    json.dump(committed, open(out / "results.json", "w"))
+    jobs, _ = reproduce.budget_ledger(ReproduceConfig(), str(out))
+    assert len(jobs) == 30 + 12 and not [j for j in jobs if "-lr" in j.name and j.meta["seed"] != 1337]
 
 
 def test_run_budget_plans_again_until_the_plan_stops_growing(monkeypatch):
@@ -220,8 +293,13 @@ def test_budget_row_counts_tokens_and_training_flops(tmp_path):
     assert (row["val_loss"], row["train_loss"]) == (2.5, 2.5) and row["evals"][0] == [0, 3.0, 3.0]
 
 
-def budget_record(runs):
-    models = {m: dict(label=m.upper(), learning_rate=1e-3) for m in ("gpt", "diffeq")}
+def budget_record(runs, seeds=None):
+    """A record of two models and budgets 500 and 1000; `seeds`: {model: {budget: seeds}} where a
+    model has other seeds than 1 and 2."""
+    models = {m: dict(label=m.upper(), learning_rate=1e-3, seeds={"500": [1, 2], "1000": [1, 2]})
+              for m in ("gpt", "diffeq")}
+    for m, by_budget in (seeds or {}).items():
+        models.setdefault(m, dict(label=m.upper(), learning_rate=1e-3, seeds={}))["seeds"].update(by_budget)
     return dict(dataset="d", tokens_per_iter=2048, budgets=[500, 1000], seeds=[1, 2],
                 recheck=[0.5, 2.0], models=models, runs=runs)
 
@@ -242,7 +320,7 @@ def test_budget_tables_show_pending_jobs_the_seed_spread_and_the_rank():
     lr = tables["budget_lr"].splitlines()
     assert "| GPT | 0.0005: pending | 0.001: pending | 0.002: **2.0000** |" in lr
     versus = tables["budget_vs"].splitlines()  # DiffEqFormer - GPT, seed by seed
-    assert versus[0] == "| iterations | DIFFEQ - GPT, seed 1 / seed 2 | mean | ahead |"
+    assert versus[0] == "| iterations | DIFFEQ - GPT, per seed | mean (+- s.e. from 3 seeds) | ahead |"
     assert "| 500 | +0.0500 / -0.1500 | -0.0500 | the seeds disagree |" in versus
     assert "| 1000 | pending | | |" in versus
     runs.update({"budget-gpt-500-s2": row(2.3, 2.2)})
@@ -257,7 +335,7 @@ def test_budget_tables_show_pending_jobs_the_seed_spread_and_the_rank():
     assert "| 500 | +0.0400 / +0.0500 | +0.0450 | GPT, every seed |" in versus
 
 
-def test_the_longest_budget_at_each_models_best_rate_uses_both_seeds_at_that_rate():
+def test_the_longest_budget_at_each_models_best_rate_uses_every_seed_at_that_rate():
     row = lambda loss: dict(val_loss=loss, train_loss=loss, tokens=1, flops=1.0, evals=[])
     runs = {"budget-gpt-1000-s1": row(2.0), "budget-gpt-1000-s2": row(2.1),
             "budget-diffeq-1000-s1": row(1.9), "budget-diffeq-1000-s2": row(2.2),
@@ -276,6 +354,76 @@ def test_the_longest_budget_at_each_models_best_rate_uses_both_seeds_at_that_rat
     best = reproduce.budget_tables(b)["budget_best"].splitlines()
     assert best[2] == "| GPT | 0.002 (2 x) | 1.8000 / 2.0000 | 1.9000 +- 0.1000 | | | |"
     assert best[3].endswith("| +0.1000 / +0.2000 | +0.1500 | GPT, every seed |")
+    b["models"]["gpt"]["seeds"]["1000"] = b["models"]["diffeq"]["seeds"]["1000"] = [1, 2, 3]
+    runs.update({"budget-gpt-1000-lr2x-s3": row(1.9), "budget-diffeq-1000-s3": row(2.0)})
+    best = reproduce.budget_tables(b)["budget_best"].splitlines()  # a third seed at each best rate
+    assert best[2] == "| GPT | 0.002 (2 x) | 1.8000 / 2.0000 / 1.9000 | 1.9000 +- 0.0577 | | | |"
+    assert best[3] == ("| DIFFEQ | 0.001 (1 x) | 1.9000 / 2.2000 / 2.0000 | 2.0333 +- 0.0882 | "
+                       "+0.1000 / +0.2000 / +0.1000 | +0.1333 +- 0.0333 | GPT, every seed |")
+    del runs["budget-gpt-1000-lr2x-s3"]  # its third seed still running
+    best = reproduce.budget_tables(b)["budget_best"].splitlines()
+    assert best[2] == "| GPT | 0.002 (2 x) | 1.8000 / 2.0000 (2 of 3 seeds) | 1.9000 +- 0.1000 | | | |"
+    assert best[3].endswith("| +0.1000 / +0.2000 (2 of 3 seeds) | +0.1500 | GPT, every seed |")
+
+
+def test_paired_differences_over_the_seeds_both_models_have_and_their_mean_with_its_error():
+    """versus() on hand-made numbers: the pairs are the seeds both have finished, in seed order; the
+    standard error of the mean difference (sd over sqrt(n)) from 3 pairs on."""
+    import statistics
+    reference = {1337: 2.00, 1338: 2.10, 1339: 2.20, 1340: 2.30}
+    losses = {1337: 2.01, 1338: 2.08, 1340: 2.34, 1341: 9.0}  # 1339 still running; 1341: no pair
+    diffs = [0.01, -0.02, 0.04]
+    mean, se = statistics.mean(diffs), statistics.stdev(diffs) / 3 ** 0.5
+    assert (round(mean, 4), round(se, 4)) == (0.01, 0.0173)
+    assert reproduce.mean_se(diffs) == pytest.approx((mean, se))
+    assert reproduce.mean_se([2.0, 2.1]) == pytest.approx(reproduce.mean_spread([2.0, 2.1]))  # 2 seeds
+    assert reproduce.versus(losses, reference, 4, "ODE", "GPT") == \
+        "+0.0100 / -0.0200 / +0.0400 (3 of 4 seeds) | +0.0100 +- 0.0173 | the seeds disagree"
+    losses[1338] = 2.12  # ahead in every seed: the reference
+    assert reproduce.versus(losses, reference, 3, "ODE", "GPT").endswith(
+        "+0.0100 / +0.0200 / +0.0400 | +0.0233 +- 0.0088 | GPT, every seed")
+    two = {1337: 1.9, 1338: 2.0}  # two pairs: the mean alone
+    assert reproduce.versus(two, reference, 4, "ODE", "GPT") == \
+        "-0.1000 / -0.1000 (2 of 4 seeds) | -0.1000 | ODE, every seed"
+    assert reproduce.versus({1337: 1.9}, reference, 4, "ODE", "GPT") == "pending | |"  # one pair
+
+
+def test_budget_tables_with_four_seeds_for_gpt_and_diffeqformer_and_two_for_weight_sharing(tmp_path):
+    """Every seed a model has at a budget, in seed order, with those still running counted; the
+    paired differences over the seeds both models have."""
+    four, two = [1, 2, 3, 4], [1, 2]
+    seeds = {m: {"500": two, "1000": four} for m in ("gpt", "diffeq")}
+    seeds["shared"] = {"500": two, "1000": two}
+    loss = dict(gpt=[2.0, 2.1, 2.2, 2.3], diffeq=[2.05, 2.06, 2.24, 2.33], shared=[2.5, 2.6])
+    row = lambda v: dict(val_loss=v, train_loss=v - 0.1, tokens=1, flops=1.0, evals=[[500, 1.0, v]])
+    runs = {f"budget-{m}-{budget}-s{seed}": row(loss[m][i] - (budget == 1000) / 10)
+            for m in loss for budget in (500, 1000) for i, seed in enumerate(seeds[m][str(budget)])}
+    del runs["budget-diffeq-1000-s4"]  # still running
+    b = budget_record(runs, seeds)
+    tables = reproduce.budget_tables(b)
+    curve = tables["budget"].splitlines()
+    assert curve[0].startswith("| iterations | tokens | model | learning rate | training FLOPs | "
+                               "val loss, per seed | mean +- s.e. | rank |")
+    assert "| 500 | 1.02M | GPT | 0.001 | 1 | 2.0000 / 2.1000 | 2.0500 +- 0.0500 | 1 of 3 | +0.1000 |" in curve
+    assert ("| 1000 | 2.05M | GPT | 0.001 | 1 | 1.9000 / 2.0000 / 2.1000 / 2.2000 | 2.0500 +- 0.0645 | "
+            "2 of 3 | +0.1000 |") in curve
+    assert ("| 1000 | 2.05M | DIFFEQ | 0.001 | 1 | 1.9500 / 1.9600 / 2.1400 (3 of 4 seeds) | "
+            "2.0167 +- 0.0617 | 1 of 3 | +0.1000 |") in curve  # three of its four seeds have run
+    assert "| 1000 | 2.05M | SHARED | 0.001 | 1 | 2.4000 / 2.5000 | 2.4500 +- 0.0500 | 3 of 3 | +0.1000 |" in curve
+    versus = tables["budget_vs"].splitlines()
+    assert versus[0] == ("| iterations | DIFFEQ - GPT, per seed | mean (+- s.e. from 3 seeds) | ahead | "
+                         "SHARED - GPT, per seed | mean (+- s.e. from 3 seeds) | ahead |")
+    assert versus[2] == ("| 500 | +0.0500 / -0.0400 | +0.0050 | the seeds disagree | "
+                         "+0.5000 / +0.5000 | +0.5000 | GPT, every seed |")
+    assert versus[3] == ("| 1000 | +0.0500 / -0.0400 / +0.0400 (3 of 4 seeds) | +0.0167 +- 0.0285 | "
+                         "the seeds disagree | +0.5000 / +0.5000 | +0.5000 | GPT, every seed |")
+    for name in ("budget-diffeq-1000-s3", "budget-diffeq-1000-s2"):  # one of four: pending
+        del runs[name]
+    tables = reproduce.budget_tables(b)
+    assert "| 1000 | 2.05M | DIFFEQ | 0.001 | pending | pending | pending | | |" in tables["budget"].splitlines()
+    assert tables["budget_vs"].splitlines()[3].startswith("| 1000 | pending | | | +0.5000 / +0.5000 |")
+    reproduce.budget_figure(b, str(tmp_path / "budget.png"))  # draws what has finished
+    assert (tmp_path / "budget.png").stat().st_size > 0
 
 
 def test_the_committed_budget_section_is_drawn_from_its_json():
