@@ -409,7 +409,8 @@ def test_a_float16_run_logs_a_skipped_step_and_resumes_exactly_with_its_scale(tm
         assert resumed[it]["grad_norm"] == pytest.approx(straight[it]["grad_norm"], rel=1e-6), it
 
 
-def test_float16_is_refused_under_fsdp_in_one_line():
+def test_float16_is_refused_under_fsdp_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # as under torchrun
     env = common.Env(torch.device("cpu"), torch.float16, world_size=2)
     model = DiffEqFormer(ModelConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
     with pytest.raises(ConfigError, match="^FSDP2 runs compute in bfloat16 or float32 here"):
