@@ -6,11 +6,11 @@ a path into a model.
     load(path, kind)                    # the dict of a ckpt.pt, an exported folder or a Hub id
     model, ckpt = load_model(path)      # any checkpoint this project writes, as a model
 
-A checkpoint is a dict with a "kind" (MODEL, ADAPTERS or LORA_RUN), the model config and the weights,
-loaded with weights_only=True: no code in a file runs. `load` is the one function that opens a
-checkpoint: a ckpt.pt (torch.save), a folder that export.py wrote (config.json, model.safetensors), a
-transformers GPT-2 or Llama folder (hf.py maps its weights), or a Hub id downloaded into the Hugging
-Face cache. Sharded FSDP2 folders are scale/resume.py's.
+A checkpoint is a dict with a "kind" (MODEL, ADAPTERS or LORA_RUN), the model config and the
+weights, loaded with weights_only=True: no code in a file runs. `load` is the one function that
+opens a checkpoint: a ckpt.pt (torch.save), a folder that export.py wrote (config.json,
+model.safetensors), a transformers GPT-2 or Llama folder (hf.py maps its weights), or a Hub id
+downloaded into the Hugging Face cache. Sharded FSDP2 folders are scale/resume.py's.
 """
 import hashlib
 import json

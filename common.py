@@ -168,7 +168,7 @@ class Batches:
         return xy[:, :-1], xy[:, 1:]
 
 
-# -- the run: its lock on out_dir, and Ctrl-C -------------------------------------------------------
+# -- the run: its lock on out_dir, and Ctrl-C ------------------------------------------------------
 
 def lock(out_dir):
     """Claim out_dir for this run: a lock on out_dir/.lock through filelock (flock on Linux and

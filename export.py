@@ -14,10 +14,10 @@ transformers model through remote code: config.json's auto_map names the configu
 files copied beside it from remote/, which wrap this project's model.py (copied too), and the
 tokenizer is written as transformers' tokenizer.json, so that
 
-    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), AutoTokenizer.from_pretrained(DIR)
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
-load it, and pipeline("text-generation") and `lm_eval --model hf` run it (docs/export.md). The folder
-then carries code, which a user should read before trusting it.
+and AutoTokenizer load it, and pipeline("text-generation") and `lm_eval --model hf` run it
+(docs/export.md). The folder then carries code, which a user should read before trusting it.
 
 `--format=hf` writes a GPT baseline as transformers' `GPT2LMHeadModel` and a Llama baseline as its
 `LlamaForCausalLM`, with the same logits, so that `lm_eval --model hf` and the rest of that
@@ -152,7 +152,8 @@ def export(path, out, fmt="diffeqformer"):
     """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`."""
     model, ckpt = checkpoints.load_model(path)
     tokenizer = ckpt["tokenizer"]
-    facts = history(path) if os.path.isfile(path) else {k: v for k, v in ckpt.items() if k != "model"}
+    facts = history(path) if os.path.isfile(path) else {k: v for k, v in ckpt.items()
+                                                         if k != "model"}  # a folder's config
     if fmt == "hf":
         hf_model = hf.to_transformers(model, tokenizer)  # refused before the folder is made
     make_dir(out, "out")

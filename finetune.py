@@ -72,7 +72,8 @@ def merge_file(path, base_path=None):
     """adapters.pt + its base checkpoint -> merged.pt beside it: an ordinary checkpoint."""
     model, base_ckpt = checkpoints.load_model(path, merge_base=base_path)
     out = os.path.join(os.path.dirname(os.path.abspath(path)), "merged.pt")
-    checkpoints.save(merged_checkpoint(model, base_ckpt, dict(merged_from=os.path.abspath(path))), out)
+    merged = merged_checkpoint(model, base_ckpt, dict(merged_from=os.path.abspath(path)))
+    checkpoints.save(merged, out)
     return out
 
 
@@ -138,7 +139,7 @@ def main(argv):
         cfg = train.TrainConfig(**{**asdict(cfg), "tokenizer": tokenizer})
         data = common.prepare_data(cfg, env)
         if fcfg.lora:
-            torch.manual_seed(cfg.seed)  # LoRA's A: a function of the seed alone, as train.py's init
+            torch.manual_seed(cfg.seed)  # LoRA's A: a function of the seed alone, as the init
             lora.add_lora(model, fcfg.lora_rank, fcfg.lora_alpha, fcfg.lora_dropout,
                           fcfg.lora_targets)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,7 +1,8 @@
 """
 transformers' GPT-2 and Llama, both ways: our GPT and Llama baselines as its GPT2LMHeadModel and
 LlamaForCausalLM (export.py --format=hf), their folders read back as our checkpoints (every
---init_from, and OpenAI's GPT-2: train.py --init_from=gpt2), and our tokenizers as its tokenizer.json.
+--init_from, and OpenAI's GPT-2: train.py --init_from=gpt2), and our tokenizers as its
+tokenizer.json.
 
 The names map one to one (TRANSFORMERS_NAMES); GPT-2 keeps its linear weights transposed (its Conv1D
 is x @ W, nn.Linear is x @ W^T) and Llama splits our fused q, k, v. transformers is an optional
@@ -197,6 +198,7 @@ def transformers_tokenizer(name, max_length):
 
 
 if __name__ == "__main__":  # a module of export.py and train.py: say so, rather than nothing
-    print("error: hf.py is a module, not a script: `python export.py --format=hf` writes a baseline "
-          "as transformers' class, `python train.py --init_from=gpt2` reads one", file=sys.stderr)
+    print("error: hf.py is a module, not a script: `python export.py --format=hf` writes a "
+          "baseline as transformers' class, `python train.py --init_from=gpt2` reads one",
+          file=sys.stderr)
     sys.exit(2)

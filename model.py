@@ -444,7 +444,7 @@ class DiffEqFormer(nn.Module):
         if T > cfg.block_size and (cfg.flavor == "gpt" or cache is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
         if cache is not None and targets is not None:
-            raise ValueError("decoding computes the last position's logits only: no loss to targets")
+            raise ValueError("decoding computes the last position's logits only: no loss")
         dropout = cfg.dropout if self.training else 0.0
         pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,)
         x = self.wte(idx)  # (B, T, C)

@@ -207,7 +207,7 @@ def train_step(model, optimizer, batches, it, cfg, env):
             env.scaler.scale(loss / accum).backward()  # float16: times the loss scale
         total += loss.detach() / accum
     if gen:
-        gen.backward()  # dL/dW of every micro-step, averaged over the processes, into the hypernetwork
+        gen.backward()  # dL/dW of every micro-step, averaged over the processes, pulled back
     env.scaler.unscale_(optimizer)  # float16: divided by the scale again, before clipping
     norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
     if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm); norm: logged, unclipped

@@ -14,10 +14,11 @@ class DiffEqFormerConfig(PretrainedConfig):
     def __init__(self, model_config=None, tokenizer="byte", steps=None, solver=None, **kwargs):
         self.model_config = dict(model_config or {})
         self.tokenizer, self.steps, self.solver = tokenizer, steps, solver
-        # what transformers' tools read, under their names: the logits' width, the context of learned
-        # positions, the shape; no KV cache (generate recomputes its window)
+        # what transformers' tools read, under their names: the logits' width, the context of
+        # learned positions, the shape; no KV cache (generate recomputes its window)
         names = dict(vocab_size="vocab_size", max_position_embeddings="block_size",
-                     num_hidden_layers="n_layer", hidden_size="n_embd", num_attention_heads="n_head")
+                     num_hidden_layers="n_layer", hidden_size="n_embd",
+                     num_attention_heads="n_head")
         for name, ours in names.items():
             kwargs.setdefault(name, self.model_config.get(ours))
         kwargs.setdefault("use_cache", False)

@@ -39,11 +39,12 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         (transformers' convention, -100 ignored). A GPT-flavour model reads at most block_size
         tokens: longer inputs keep their last block_size, whose logits come back."""
         if attention_mask is not None and (attention_mask[:, :1] == 0).any():
-            raise ValueError("DiffEqFormer places tokens by their index: pad on the right, not the left")
+            raise ValueError("DiffEqFormer places tokens by their index: pad on the right")
         cfg = self.model.cfg
         if cfg.flavor == "gpt" and input_ids.size(1) > cfg.block_size:
             if labels is not None:
-                raise ValueError(f"{input_ids.size(1)} tokens with labels: at most {cfg.block_size}")
+                raise ValueError(f"{input_ids.size(1)} tokens with labels; at most "
+                                 f"{cfg.block_size}")
             input_ids = input_ids[:, -cfg.block_size:]
         logits, _ = self.model(input_ids, steps=self.config.steps, solver=self.config.solver)
         loss = None

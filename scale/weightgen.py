@@ -1,6 +1,6 @@
 """
-The ODE's weights once per optimizer step (METHOD 8.1): the one place where train.py's train_step and
-evaluate get a diffeq model's weights, on one process, under DDP and under FSDP2.
+The ODE's weights once per optimizer step (METHOD 8.1): the one place where train.py's train_step
+and evaluate get a diffeq model's weights, on one process, under DDP and under FSDP2.
 
     gen.generate(steps)                    # W(t_k) for every stage time t_k, as leaves
     for x, y in micro_batches:
