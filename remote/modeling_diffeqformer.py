@@ -12,7 +12,6 @@ tokens for every new token (no KV cache: transformers' cache holds one attention
 has one per solver stage; sample.py decodes with its own caches). Padding on the left is refused:
 the model places tokens by their index, not by an attention mask.
 """
-import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
