@@ -11,12 +11,14 @@ A kill at any moment leaves the last complete checkpoint loadable: each save is 
 """
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
 
 import checkpoints
 from configurator import UserError
+from model import DiffEqFormer, ModelConfig
 from scale import parallel
 
 
@@ -87,16 +89,19 @@ def load_sharded(model, optimizer, folder):
 
 def convert_sharded(folder, dst=None):
     """A sharded checkpoint folder -> the ordinary single file (model only, no optimizer state),
-    by default ckpt.pt beside the folder."""
+    by default ckpt.pt beside the folder: the model of meta.pt's config, built on the CPU, takes
+    the shards in one process (no process group)."""
+    import torch.distributed.checkpoint as dcp
     dst = dst or os.path.join(os.path.dirname(os.path.abspath(folder)), "ckpt.pt")
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     path = latest_sharded(folder)
     meta = checkpoints.load(os.path.join(path, "meta.pt"))
-    tmp = f"{dst}.model.tmp{os.getpid()}"
-    dcp_to_torch_save(os.path.join(path, "model"), tmp)
-    model = torch.load(tmp, weights_only=True)
-    os.remove(tmp)
-    checkpoints.save({**meta, "model": checkpoints.clean_state_dict(model), "optimizer": None}, dst)
+    with torch.device("meta"):
+        model = DiffEqFormer(ModelConfig(**meta["model_config"]))
+    weights = model.to_empty(device="cpu").state_dict()
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(weights, checkpoint_id=os.path.join(path, "model"), no_dist=True)  # in place
+    checkpoints.save({**meta, "model": weights, "optimizer": None}, dst)
     print(f"wrote {dst}")
 
 

@@ -68,6 +68,11 @@ def sharded_model(seed):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def meta(iteration):
+    """meta.pt of a sharded checkpoint: what --convert needs to rebuild the model."""
+    return {"kind": checkpoints.MODEL, "iter_num": iteration, "model_config": ModelConfig(**TINY).to_dict()}
+
+
 def plain(model):
     return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
 
@@ -75,7 +80,7 @@ def plain(model):
 def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_path, process_group, monkeypatch):
     folder = str(tmp_path / "out" / "ckpt_sharded")
     model, optimizer = sharded_model(0)
-    resume.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 1}, folder, 1, True)
+    resume.save_sharded(model, optimizer, meta(1), folder, 1, True)
     first = plain(model)
     with torch.no_grad():
         for p in model.parameters():
@@ -104,7 +109,7 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
     for where, name, killed in kills:
         monkeypatch.setattr(where, name, killed)
         with pytest.raises(KeyboardInterrupt):
-            resume.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
+            resume.save_sharded(model, optimizer, meta(2), folder, 2, True)
         monkeypatch.undo()
         assert resume.latest_sharded(folder).endswith("iter_0000001"), name
         fresh, fresh_optimizer = sharded_model(1)
@@ -112,7 +117,7 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
         assert all(torch.equal(v, first[k]) for k, v in plain(fresh).items())
     resume.clean(folder)  # what the next save does first: the incomplete iter_0000002 goes
     assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000001"]
-    resume.save_sharded(model, optimizer, {"kind": checkpoints.MODEL, "iter_num": 2}, folder, 2, True)
+    resume.save_sharded(model, optimizer, meta(2), folder, 2, True)
     assert sorted(os.listdir(folder)) == ["LATEST", "iter_0000002"]  # the old one goes once the new one is named
     resume.convert_sharded(folder, str(tmp_path / "ckpt.pt"))
     converted = checkpoints.load(str(tmp_path / "ckpt.pt"))
