@@ -23,7 +23,7 @@ PAGES = [README] + sorted(os.path.join(DOCS_DIR, f) for f in os.listdir(DOCS_DIR
 README_MAX_LINES = 250
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 PLACEHOLDERS = ("$", "<", "...")  # a command holding one of these is a template, not a runnable line
-OPTIONAL_PACKAGES = {"lm_eval"}  # a script that imports one of these is skipped where it is missing
+OPTIONAL_PACKAGES = {"lm_eval", "transformers", "torchdiffeq"}  # requirements-eval.txt: skipped where missing
 # scripts whose main parses part of argv and hands the rest on: the function that parses the rest
 SECOND_STAGE = {"bench_scale": "configs"}
 
@@ -169,8 +169,8 @@ def script_of(words):
                 return launched(argv)
             top = module.split(".")[0]
             in_repository = os.path.isdir(os.path.join(ROOT, top)) or os.path.isfile(os.path.join(ROOT, top + ".py"))
-            if not in_repository and importlib.util.find_spec(top) is not None:
-                return None  # pytest, pip, ...: an installed module, not a repository script
+            if not in_repository and (top in OPTIONAL_PACKAGES or importlib.util.find_spec(top)):
+                return None  # pytest, pip, lm_eval, ...: an installed module, not a repository script
             return "module", module, argv
         if rest[0].endswith(".py"):
             return "file", rest[0], rest[1:]
