@@ -3,7 +3,7 @@ Reproduce the paper's experiments at laptop scale: every number and figure of re
 
     python -m experiments.reproduce            # about 80 minutes on 2 CPU cores; run again to resume
     python -m experiments.reproduce --quick    # every job for a few iterations: checks the pipeline (~10 min)
-    python -m experiments.reproduce --only=budget --jobs=1   # 6. the budget curve alone (~14 h; ~7 h with 2 jobs)
+    python -m experiments.reproduce --only=budget --jobs=1   # 6. the budget curve alone (~15 h; ~7.5 h with 2 jobs)
 
 Each experiment is a run of this repository's own tools (train.py, finetune.py, experiments/depth.py,
 analyze.py) in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
@@ -27,8 +27,8 @@ The experiments (Tong et al., ICLR 2025; results/README.md says what each one sh
    and WikiText-2's test split together; each rate halved and doubled at the longest budget, and
    a rate found better there run on the second seed too (planned once the recheck has finished).
    Then two more seeds for GPT and DiffEqFormer where their gap is within the seed spread: 1000 to
-   4000 iterations, and at 4000 at a better rate too (16 jobs: 1000 iterations take ~6 min, 2000
-   ~12, 4000 ~25 on one core with two jobs side by side: ~2.3 h).
+   4000 iterations, and at 4000 at a better rate too (16 jobs: 1000 iterations take 5-10 min, 2000
+   17-23, 4000 19-22 on one core with two jobs side by side: 5.3 h of one core).
    Each of its jobs is recorded in results.json as it finishes, and the page's section 6 rewritten:
    a run spread over sessions resumes from the committed json, even without the run folders.
 --only=paper runs 1-5, --only=budget runs 6 (at the rates that results/results.json holds).
