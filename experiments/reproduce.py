@@ -287,9 +287,11 @@ def num_params(run_dir):
     return DiffEqFormer(ModelConfig(**checkpoints.load(os.path.join(run_dir, "ckpt.pt"))["model_config"])).num_params()
 
 
-def mean_spread(values):
-    """The mean and half the range of a few seeds' losses: the table's "a +- b"."""
-    return float(np.mean(values)), float(np.ptp(values) / 2)
+def mean_se(values):
+    """The mean of a few seeds' values and its standard error: their standard deviation (n - 1)
+    over sqrt(n), which for two seeds is half their range."""
+    values = list(values)
+    return float(np.mean(values)), float(np.std(values, ddof=1) / np.sqrt(len(values)))
 
 
 def summarise(runs):
@@ -300,8 +302,9 @@ def summarise(runs):
     table1 = {}
     for m, (label, _) in MODELS.items():
         seeds = [sweeps[m][best[m]], loss(f"{m}-seed2")]
+        mean, spread = mean_se(seeds)  # two seeds: the standard error is half their range
         table1[m] = dict(label=label, params=num_params(os.path.join(runs, f"{m}-lr{best[m]:g}")), learning_rate=best[m],
-                         seeds=seeds, mean=mean_spread(seeds)[0], spread=mean_spread(seeds)[1])
+                         seeds=seeds, mean=mean, spread=spread)
     reference = dict(label="default (init = gpt, beta2 = 0.99, d_t = 16)", params=table1["diffeq"]["params"],
                      val_loss=sweeps["diffeq"][best["diffeq"]])
     ablations = {"default": reference, **{name: dict(label=label, params=num_params(os.path.join(runs, name)), val_loss=loss(name))
@@ -607,13 +610,6 @@ def budget_recheck(b):
         recheck[m] = {x: b["runs"][n]["val_loss"] if n in b["runs"] else None
                       for x, n in sorted(names.items())}
     return recheck
-
-
-def mean_se(values):
-    """The mean of a few seeds' values and its standard error: their standard deviation (n - 1)
-    over sqrt(n), which for two seeds is half their range."""
-    values = list(values)
-    return float(np.mean(values)), float(np.std(values, ddof=1) / np.sqrt(len(values)))
 
 
 def per_seed(cells, planned):

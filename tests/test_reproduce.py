@@ -22,7 +22,7 @@ def test_final_val_loss_is_the_last_evaluation_and_the_best_rate_the_lowest(tmp_
     assert reproduce.final_val_loss(tmp_path / "a") == 2.5  # the last, not the best, evaluation
     assert reproduce.best_learning_rate({1e-3: 2.2, 2e-3: 2.1, 4e-3: 2.3}) == 2e-3
     assert reproduce.best_learning_rate({4e-3: 2.0, 1e-3: 2.0}) == 1e-3  # a tie: the smaller rate
-    assert reproduce.mean_spread([2.0, 2.1]) == pytest.approx((2.05, 0.05))
+    assert reproduce.mean_se([2.0, 2.1]) == pytest.approx((2.05, 0.05))  # two seeds: half the range
 
 
 def test_plan_builds_the_dependent_jobs_from_the_sweeps_best_rate(tmp_path):
@@ -376,7 +376,7 @@ def test_paired_differences_over_the_seeds_both_models_have_and_their_mean_with_
     mean, se = statistics.mean(diffs), statistics.stdev(diffs) / 3 ** 0.5
     assert (round(mean, 4), round(se, 4)) == (0.01, 0.0173)
     assert reproduce.mean_se(diffs) == pytest.approx((mean, se))
-    assert reproduce.mean_se([2.0, 2.1]) == pytest.approx(reproduce.mean_spread([2.0, 2.1]))  # 2 seeds
+    assert reproduce.mean_se([1.0, 1.4]) == pytest.approx((1.2, 0.2))  # 2 seeds: half the range
     assert reproduce.versus(losses, reference, 4, "ODE", "GPT") == \
         "+0.0100 / -0.0200 / +0.0400 (3 of 4 seeds) | +0.0100 +- 0.0173 | the seeds disagree"
     losses[1338] = 2.12  # ahead in every seed: the reference
@@ -422,7 +422,10 @@ def test_budget_tables_with_four_seeds_for_gpt_and_diffeqformer_and_two_for_weig
     tables = reproduce.budget_tables(b)
     assert "| 1000 | 2.05M | DIFFEQ | 0.001 | pending | pending | pending | | |" in tables["budget"].splitlines()
     assert tables["budget_vs"].splitlines()[3].startswith("| 1000 | pending | | | +0.5000 / +0.5000 |")
-    reproduce.budget_figure(b, str(tmp_path / "budget.png"))  # draws what has finished
+    points = reproduce.budget_points(b)  # what the figure draws: the cells that have finished
+    assert {m: sorted(p) for m, p in points.items()} == dict(gpt=[500, 1000], diffeq=[500], shared=[500, 1000])
+    assert list(points["gpt"][1000]) == [1, 2, 3, 4] and list(points["diffeq"][500]) == [1, 2]
+    reproduce.budget_figure(b, str(tmp_path / "budget.png"))
     assert (tmp_path / "budget.png").stat().st_size > 0
 
 
