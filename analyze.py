@@ -110,15 +110,6 @@ def resolve_steps(model, steps, path):
         raise UserError(str(e)) from e
 
 
-def forward_weights(model, steps):
-    """The block weights of each step or layer, [{name: (weight, bias)}], exactly those the forward
-    pass multiplies by: an ODE's `step_weights` at t_k = (k+1)/N (METHOD 2), or the layers'
-    parameters."""
-    if model.cfg.is_ode:
-        return model.step_weights(steps, "euler")
-    return [layer.weights() for layer in model.layers]
-
-
 def weights_at(model, ts):
     """An ODE's block weights at any times ts, {name: (W (T, out, in), b (T, out) or None)}: the
     hypernetwork's output (METHOD 3), or the shared block's at every t."""
@@ -166,7 +157,7 @@ def spectral(model, steps, times, out):
     layers."""
     cfg = model.cfg
     names = ("qk", "ov", "ffn")
-    grid = [s.numpy() for s in spectra(stack(forward_weights(model, steps)), cfg)]
+    grid = [s.numpy() for s in spectra(stack(model.step_weights(steps, "euler")), cfg)]
     if cfg.is_ode:
         ts = torch.linspace(0, 1, times, dtype=torch.float64)
         chunks = [spectra(weights_at(model, chunk), cfg)
@@ -282,7 +273,7 @@ def step_fields(model, steps, T):
     layer, which adds attention and MLP one after the other, is a step of size 1 of F_k(X) =
     layer(X) - X (METHOD 4)."""
     cfg = model.cfg
-    W = forward_weights(model, steps)
+    W = model.step_weights(steps, "euler")
     rope = (rope_tables(torch.arange(T), cfg.n_embd // cfg.n_head, torch.float64)
             if cfg.flavor == "llama" else None)
     if cfg.model_type == "baseline":

@@ -17,10 +17,10 @@ of t; `steps` and `solver` are arguments of each call; `materialize` makes a pla
 any depth (METHOD 5). Times, time features and RoPE tables are at least float32 (bf16 rounding of t,
 times the scale 1000, would scramble the sinusoids).
 """
-import functools
 import hashlib
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -106,13 +106,15 @@ def norm(x, weight, bias, flavor):
 
 
 def rope_tables(pos, head_size, dtype=torch.float32, base=10000.0):
-    """cos and sin of the rotary angles at absolute positions pos (T,), each (T, head_size), in
-    Llama's rotate-half layout."""
+    """cos and sin of the rotary angles at absolute positions pos, (T,) or one row per sequence
+    (B, T), each (T, head_size) or (B, 1, T, head_size), in Llama's rotate-half layout."""
     dtype = time_dtype(dtype)
     i = torch.arange(0, head_size, 2, device=pos.device, dtype=dtype)
     inv_freq = 1.0 / base ** (i / head_size)  # (hs/2,)
-    angles = torch.outer(pos.to(dtype), inv_freq)  # (T, hs/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
+    angles = pos.to(dtype)[..., None] * inv_freq  # (..., T, hs/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (..., T, hs)
+    if pos.dim() == 2:  # (B, T, hs) -> (B, 1, T, hs): the same angles for every head
+        angles = angles.unsqueeze(1)
     return angles.cos(), angles.sin()
 
 
@@ -121,22 +123,22 @@ def apply_rope(x, cos, sin):
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
 
 
-def attention(x, w, cfg, rope, dropout, mask=None, cache=None):
+def attention(x, w, cfg, rope, dropout, mask=None, kv=None):
     """Causal multi-head self-attention A_t(Y) (METHOD 1), fused QKV, then the output projection.
 
-    mask (T, S), True where a query may see a key, replaces the plain causal mask where that is not
-    enough: decoding with a KV cache, or a RoPE model reading more than block_size tokens. cache,
-    while decoding, is (the KV cache of this evaluation, slots (T,) of x's tokens): their keys and
-    values are written there and the queries attend to the whole cache (sample.py)."""
+    mask (T, S) or (B, 1, T, S), True where a query may see a key, replaces the plain causal mask
+    where that is not enough: a KV cache, padding, or a RoPE model reading more than block_size
+    tokens. kv, with a KV cache, is (this evaluation's cache, the slots (T,) of x's tokens): their
+    keys and values are written there and the queries attend to the whole cache (see Context)."""
     B, T, C = x.size()
     q, k, v = F.linear(x, *w["attn"]).split(C, dim=2)
     q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))
     # q, k, v: (B, nh, T, hs)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    if cache is not None:
-        kv, slots = cache
-        k, v = kv.update(slots, k, v)  # (B, nh, max_len, hs): every position so far
+    if kv is not None:
+        cache, slots = kv
+        k, v = cache.update(slots, k, v)  # (B, nh, S, hs): every key and value in the cache
     # attention-probability dropout in the baselines only (nanoGPT's): the authors' ODE has none
     p = dropout if cfg.model_type == "baseline" else 0.0
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
@@ -153,16 +155,24 @@ def mlp(x, w, cfg, dropout):
     return F.dropout(y, dropout, dropout > 0)
 
 
-def vector_field(x, w, cfg, rope, dropout, mask=None, cache=None):
+def vector_field(x, w, cfg, rope, dropout, mask=None, kv=None):
     """F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)): attention and MLP in parallel on X (METHOD 1)"""
-    return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
+    return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, kv)
             + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout))
 
 
-def sequential_block(x, w, cfg, rope, dropout, mask=None, cache=None):
+def sequential_block(x, w, cfg, rope, dropout, mask=None, kv=None):
     """The GPT / Llama baseline layer: pre-norm attention, then the MLP (METHOD 4)."""
-    x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, cache)
+    x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, kv)
     return x + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout)
+
+
+def layer(x, w, cfg, rope, dropout, mask=None, kv=None):
+    """One layer of a model with fixed layers: the baseline's sequential block, or a materialised
+    ODE's Euler step x + F(x) / N with the weights of its time (METHOD 5)."""
+    if cfg.model_type == "baseline":
+        return sequential_block(x, w, cfg, rope, dropout, mask, kv)
+    return x + (1.0 / cfg.n_layer) * vector_field(x, w, cfg, rope, dropout, mask, kv)
 
 
 def block_shapes(cfg):
@@ -322,19 +332,37 @@ class Block(nn.Module):
     def weights(self):
         return {name: (m.weight, getattr(m, "bias", None)) for name, m in self.named_children()}
 
-    def forward(self, x, cfg, rope, dropout, mask=None, cache=None):
-        """One layer: the sequential baseline block, or a materialised ODE's Euler step x+F(x)/N"""
-        w = self.weights()
-        if cfg.model_type == "baseline":
-            return sequential_block(x, w, cfg, rope, dropout, mask, cache)
-        return x + (1.0 / cfg.n_layer) * vector_field(x, w, cfg, rope, dropout, mask, cache)
+    def forward(self, x, cfg, rope, dropout, mask=None, kv=None):
+        """`layer` with these weights (a module call, so that FSDP2 gathers them first)"""
+        return layer(x, self.weights(), cfg, rope, dropout, mask, kv)
 
 
 def sliding_window_mask(pos, key_pos, window):
-    """(T, S), True where the query at position pos[i] sees the key at key_pos[j]: causal, and at
-    most `window` positions back (itself included)."""
-    offset = pos[:, None] - key_pos[None, :]
-    return (offset >= 0) & (offset < window)
+    """(T, S), or (B, 1, T, S) for positions per sequence (B, T), True where the query at position
+    pos[i] sees the key at key_pos[j]: causal, and at most `window` positions back (itself
+    included)."""
+    offset = pos[..., :, None] - key_pos[..., None, :]  # (T, S) or (B, T, S)
+    mask = (offset >= 0) & (offset < window)
+    return mask.unsqueeze(1) if mask.dim() == 3 else mask  # the same for every head
+
+
+class Context(NamedTuple):
+    """Where the T tokens of a forward pass sit and what each one attends to, for the callers for
+    which positions 0..T-1 under a causal mask are not the whole story: decoding through KV caches
+    (sample.py) and padded batches (remote/). Positions and masks are one for the whole batch, or
+    one row per sequence."""
+    pos: torch.Tensor  # (T,) or (B, T): each token's position (learned positions, RoPE)
+    mask: torch.Tensor | None = None  # (T, S) or (B, 1, T, S): True where token i sees key j
+    kv: list | None = None  # a KV cache per evaluation of F: kv[j].update(slots, k, v) -> (K, V)
+    slots: torch.Tensor | None = None  # (T,): where the tokens' keys and values go in the caches
+    head: torch.Tensor | None = None  # the output head, cast once (decoding); None: the model's
+    last: bool = False  # only the last position's logits (decoding: the next token's)
+
+
+def evaluations(cfg, steps, solver):
+    """How many times a forward pass evaluates F, each with weights and a KV cache of its own: steps
+    x the solver's stages for an ODE, the layers of any other model."""
+    return steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
 
 
 def seeded_normal_(rows, std, key, first=0, total=None):
@@ -430,38 +458,36 @@ class DiffEqFormer(nn.Module):
         return sum(p.numel() for p in self.parameters())  # the tied GPT head counted once
 
     # -- the forward pass --------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None, weights=None, cache=None):
+    def forward(self, idx, targets=None, steps=None, solver=None, weights=None, context=None):
         """Logits (B, T, vocab) and the mean cross-entropy with targets (ignore index -1), or None.
-        steps, solver: an ODE's depth and solver (default: n_layer Euler steps). weights: an ODE's
-        block weights at every stage time, as step_weights makes them, for callers that make them
-        once for many passes (train.py per optimizer step, sample.py per generation). cache, while
-        decoding (sample.py's Decode): `pos` (T,), the positions of idx's tokens; `mask` (T, S),
-        the cache slots each sees; `kv`, one KV cache per evaluation of F, written at `slots` (T,);
-        then only the last position's logits are computed, (B, 1, vocab)."""
+        steps, solver: an ODE's depth and solver (default: n_layer Euler steps). weights: the block
+        weights of every evaluation of F, as step_weights makes them, for callers that make them
+        once for many passes (train.py per optimizer step, sample.py per generation). context: where
+        the tokens sit and what they see, when that is not positions 0..T-1 under a causal mask."""
         cfg = self.cfg
         steps, solver = self.check_steps(steps, solver)
         B, T = idx.size()
-        if T > cfg.block_size and (cfg.flavor == "gpt" or cache is not None):
+        ctx = context or Context(torch.arange(T, device=idx.device))
+        if T > cfg.block_size and (cfg.flavor == "gpt" or ctx.kv is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
-        if cache is not None and targets is not None:
-            raise ValueError("decoding computes the last position's logits only: no loss")
+        if ctx.last and targets is not None:
+            raise ValueError("a pass that computes the last position's logits only has no loss")
         dropout = cfg.dropout if self.training else 0.0
-        pos = torch.arange(T, device=idx.device) if cache is None else cache.pos  # (T,)
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(pos)
+            x = x + self.wpe(ctx.pos)
         x = F.dropout(x, dropout, dropout > 0)
         hs = cfg.n_embd // cfg.n_head
-        rope = rope_tables(pos, hs, x.dtype) if cfg.flavor == "llama" else None
-        mask, caches = (None, None) if cache is None else (cache.mask, [(kv, cache.slots)
-                                                                       for kv in cache.kv])
+        rope = rope_tables(ctx.pos, hs, x.dtype) if cfg.flavor == "llama" else None
+        mask = ctx.mask
         if mask is None and T > cfg.block_size:  # a RoPE model past its context: a sliding window
-            mask = sliding_window_mask(pos, pos, cfg.block_size)
-        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, caches)
-        if cache is not None:  # decoding: the next token needs the last position only
+            mask = sliding_window_mask(ctx.pos, ctx.pos, cfg.block_size)
+        kv = None if ctx.kv is None else [(cache, ctx.slots) for cache in ctx.kv]
+        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, kv)
+        if ctx.last:  # decoding: the next token needs the last position only
             x = x[:, -1:]
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.ln_f(x), head)  # (B, T, vocab)
+        logits = F.linear(self.ln_f(x), head if ctx.head is None else ctx.head)  # (B, T, vocab)
         if cfg.tokenizer_vocab:  # padded rows past the tokenizer's tokens never get probability
             logits[..., cfg.tokenizer_vocab:] = float("-inf")
         loss = None
@@ -495,47 +521,55 @@ class DiffEqFormer(nn.Module):
         return ts
 
     def step_weights(self, steps, solver, offsets=None):
-        """The block weights at every stage time, [{name: (weight, bias)}, ...]: ONE hypernetwork
-        call for all of them (METHOD 3), or the shared block at every time."""
+        """The block weights of every evaluation of F, [{name: (weight, bias)}, ...]: for a diffeq
+        model ONE hypernetwork call for all the stage times (METHOD 3); the shared block at every
+        time; the layers' own of a model with fixed layers."""
         if self.cfg.model_type == "shared":
-            return [self.block.weights()] * (steps * len(SOLVERS[solver]))
+            return [self.block.weights()] * evaluations(self.cfg, steps, solver)
+        if not self.cfg.is_ode:
+            return [module.weights() for module in self.layers]
         return unbind_times(self.hyper(self.times(steps, solver, offsets)))
 
-    def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, caches=None):
+    def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, kv=None):
         """X(1) from X(0): `steps` solver steps of the ODE with weights[j] at evaluation j of F
-        (METHOD 2), or the layers of a discrete model; caches[j]: the KV cache of evaluation j."""
+        (METHOD 2), or the layers of a model with fixed layers; kv[j]: evaluation j's KV cache."""
         cfg = self.cfg
+        recompute = cfg.checkpoint and self.training
 
         def run(fn, *args):  # activation checkpointing: keep fn's input, recompute the rest
             return checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
 
-        recompute = cfg.checkpoint and self.training
-        n = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer  # evaluations of F
-        caches = [None] * n if caches is None else caches
-        if len(caches) != n:
-            raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(caches)}")
-        if not cfg.is_ode:
-            for layer, cache in zip(self.layers, caches):
-                x = run(layer, x, cfg, rope, dropout, mask, cache)
+        n = evaluations(cfg, steps, solver)
+        kv = [None] * n if kv is None else kv
+        if len(kv) != n:
+            raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(kv)}")
+        if not cfg.is_ode and weights is None:  # module calls: FSDP2 gathers each layer's weights
+            for module, kv_j in zip(self.layers, kv):
+                x = run(module, x, cfg, rope, dropout, mask, kv_j)
             return x
         W = self.step_weights(steps, solver) if weights is None else weights  # W[j]: evaluation j's
         if len(W) != n:
             raise ValueError(f"weights for {len(W)} stage times; {steps} {solver} steps need {n}")
-        f, args = functools.partial(run, vector_field), (cfg, rope, dropout, mask)
+        if not cfg.is_ode:  # the layers with weights made beforehand (sample.py: cast once)
+            for w, kv_j in zip(W, kv):
+                x = run(layer, x, w, cfg, rope, dropout, mask, kv_j)
+            return x
+
+        def f(x, j):  # F(x, t_j), evaluation j of the vector field (METHOD 1)
+            return run(vector_field, x, W[j], cfg, rope, dropout, mask, kv[j])
+
         h = 1.0 / steps
         for k in range(steps):
             if solver == "euler":  # X_{k+1} = X_k + h F(X_k, t_k), t_k = (k + 1) h   (METHOD 2)
-                x = x + h * f(x, W[k], *args, caches[k])
+                x = x + h * f(x, k)
             elif solver == "midpoint":  # stages at k h and (k + 1/2) h
-                j = 2 * k
-                x_half = x + 0.5 * h * f(x, W[j], *args, caches[j])
-                x = x + h * f(x_half, W[j + 1], *args, caches[j + 1])
+                x = x + h * f(x + 0.5 * h * f(x, 2 * k), 2 * k + 1)
             else:  # classical RK4: stages at k h, (k + 1/2) h twice, (k + 1) h
                 j = 4 * k
-                k1 = f(x, W[j], *args, caches[j])
-                k2 = f(x + 0.5 * h * k1, W[j + 1], *args, caches[j + 1])
-                k3 = f(x + 0.5 * h * k2, W[j + 2], *args, caches[j + 2])
-                k4 = f(x + h * k3, W[j + 3], *args, caches[j + 3])
+                k1 = f(x, j)
+                k2 = f(x + 0.5 * h * k1, j + 1)
+                k3 = f(x + 0.5 * h * k2, j + 2)
+                k4 = f(x + h * k3, j + 3)
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 

@@ -15,9 +15,11 @@ every layer per new token. `--compile` compiles that one-token step. What
 only an ODE can do: `--steps` and `--solver` change a DiffEqFormer's (or weight sharing's)
 computation per call. The samples go to stdout, one line of statistics to stderr.
 """
+import functools
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,7 +31,7 @@ import checkpoints
 import common
 import prepare
 from configurator import UserError, parse_config, run_main
-from model import MAX_STEPS, SOLVERS, sliding_window_mask
+from model import MAX_STEPS, SOLVERS, Context, block_shapes, evaluations, sliding_window_mask
 
 
 @dataclass
@@ -112,47 +114,70 @@ def cache_mask(pos, L):
     return sliding_window_mask(pos, held, L) & (held >= 0), pos % L
 
 
-class Decode(NamedTuple):
-    """What forward needs to decode through the KV caches: the positions of the tokens fed now
-    (T,), which cache slots each sees (T, L), the slots they are written to (T,), and one KVCache
-    per evaluation of F."""
-    pos: torch.Tensor
-    mask: torch.Tensor
-    slots: torch.Tensor
-    kv: list
-
-
 @dataclass
 class DecodingState:
-    """One generation's state, kept outside the model: zeroed KV caches (batch_size, n_head,
-    max_len, head_size), one per evaluation of F (each solver stage is an attention of its own),
-    and an ODE's block weights at every stage time, generated once for the whole generation."""
+    """One generation's state, kept outside the model: a KV cache (batch_size, n_head, max_len,
+    head_size) per evaluation of F (each solver stage is an attention of its own), and what every
+    token multiplies by, made once per generation in the dtype the step computes in: the block
+    weights of every evaluation (an ODE's generated at every stage time) and the output head. No
+    token then generates or casts a weight: an ODE's token costs what a GPT's does."""
     kv: list
     weights: list
+    head: torch.Tensor
     steps: int
     solver: str
 
-    def at(self, pos):
-        """The Decode of tokens at positions pos (T,): written into slots pos % max_len."""
+    def context(self, pos):
+        """The Context of tokens at positions pos (T,): they see the slots of the last max_len
+        positions and are written into slots pos % max_len; the next token's logits only."""
         mask, slots = cache_mask(pos, self.kv[0].k.size(2))
-        return Decode(pos, mask, slots, self.kv)
+        return Context(pos, mask, self.kv, slots, self.head, last=True)
+
+    def tensors(self):
+        return [self.head, *(t for c in self.kv for t in (c.k, c.v)),
+                *(t for w in self.weights for pair in w.values() for t in pair if t is not None)]
+
+
+# the last DecodingState of each model, refilled by the next generation of the same shapes: its
+# tensors keep their addresses, which a CUDA graph of the one-token step reads from
+STATES = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
 def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
-    """The DecodingState of a generation of at most max_len positions in the caches. The caches
-    take the autocast dtype when autocast is on (call this inside it), else the parameters'."""
+    """The DecodingState of a generation of at most max_len positions in the caches. The caches and
+    the linear weights take the autocast dtype when autocast is on (call this inside it), else the
+    parameters'. The norms' gains stay as the forward pass makes them (it casts them to the
+    residual stream's dtype, float32 under autocast)."""
     cfg, device = model.cfg, model.wte.weight.device
     if not 1 <= max_len <= cfg.block_size:
         raise ValueError(f"max_len={max_len} must be in 1..block_size={cfg.block_size}")
     if dtype is None:
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
-    evaluations = steps * len(SOLVERS[solver]) if cfg.is_ode else cfg.n_layer
+    linear = block_shapes(cfg)  # the weights F.linear multiplies by: attn, proj, fc, ...
+
+    def cast(pair, name):
+        return tuple(t if t is None or name not in linear else t.to(dtype) for t in pair)
+    weights = [{name: cast(pair, name) for name, pair in w.items()}
+               for w in model.step_weights(steps, solver)]
+    head = (model.wte.weight if model.lm_head is None else model.lm_head.weight).to(dtype)
     hs = cfg.n_embd // cfg.n_head
-    kv = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype) for _ in range(evaluations)]
-    weights = model.step_weights(steps, solver) if cfg.is_ode else None
-    return DecodingState(kv, weights, steps, solver)
+    state = STATES.get(model)
+    if state is not None and (state.steps, state.solver) == (steps, solver) \
+            and state.kv[0].k.shape == (batch_size, cfg.n_head, max_len, hs) \
+            and state.kv[0].k.dtype == dtype:
+        fresh = DecodingState(state.kv, weights, head, steps, solver)
+        for old, new in zip(state.tensors(), fresh.tensors()):
+            if old is not new:  # the caches are theirs; stale slots are masked until rewritten
+                old.copy_(new)
+        return state
+    kv = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
+          for _ in range(evaluations(cfg, steps, solver))]
+    STATES[model] = state = DecodingState(kv, weights, head, steps, solver)
+    for t in state.tensors():  # CUDA graphs read them in place instead of copying them in
+        torch._dynamo.mark_static_address(t)
+    return state
 
 
 def prefill(model, idx, state):
@@ -164,44 +189,60 @@ def prefill(model, idx, state):
 
 def decode_one_token(model, idx, input_pos, state):
     """The next-token logits (B, vocab) after idx (B, 1) at position input_pos (1,), through the KV
-    caches: the step that generate repeats and `torch.compile(..., fullgraph=True)` compiles."""
+    caches: the step that generate repeats, and compiles with --compile."""
     logits, _ = model(idx, steps=state.steps, solver=state.solver, weights=state.weights,
-                      cache=state.at(input_pos))
+                      context=state.context(input_pos))
     return logits[:, -1]
+
+
+@functools.cache
+def compiled(fn, device_type):
+    """fn compiled as gpt-fast compiles its decoding: whole (fullgraph), and on CUDA the one-token
+    step as CUDA graphs (mode="reduce-overhead"), so that a token costs one graph launch instead of
+    hundreds of kernel launches from Python."""
+    graphs = device_type == "cuda" and fn is decode_one_token
+    return torch.compile(fn, fullgraph=True, mode="reduce-overhead" if graphs else None)
 
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, steps=None,
-             solver=None, decode=decode_one_token):
+             solver=None, compile=False):
     """idx (B, T) followed by max_new_tokens tokens, each drawn by sample_next from the last logits.
     Past the context: a RoPE model goes on with a sliding window of block_size positions at the same
     cost; a GPT-flavour model's learned positions move, so it recomputes the window of the last
-    block_size tokens for every token (what decoding without a cache costs)."""
+    block_size tokens for every token (what decoding without a cache costs). compile: the one-token
+    step and the prefill compiled (`compiled`); the first call compiles them."""
     B, T = idx.size()
     if T == 0:
         raise ValueError("generate needs a prompt of at least one token")
     steps, solver = model.check_steps(steps, solver)
     L = min(T + max_new_tokens, model.cfg.block_size)
     state = setup_caches(model, B, L, steps, solver)
+    device = idx.device
+    fill, step = (compiled(prefill, device.type), compiled(decode_one_token, device.type)) \
+        if compile else (prefill, decode_one_token)
+    out = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=device)
+    out[:, :T] = idx
+    pos = torch.full((1,), min(T, L), device=device)  # the position of the next token fed
     rope = model.cfg.flavor == "llama"
     if rope:  # the first L tokens at once, then one by one into the sliding window
-        logits = prefill(model, idx[:, :L], state)
+        logits = fill(model, idx[:, :L], state)
         for p in range(L, T):
-            token = idx[:, p:p + 1].contiguous()
-            logits = decode(model, token, torch.tensor([p], device=idx.device), state)
+            logits = step(model, idx[:, p:p + 1].contiguous(), pos, state)
+            pos += 1  # on the device: no token waits for the host
     else:
-        logits = prefill(model, idx[:, -L:], state)
-    for i in range(max_new_tokens):
+        logits = fill(model, idx[:, -L:], state)
+    for p in range(T, T + max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
-        idx = torch.cat((idx, token), dim=1)
-        p = idx.size(1) - 1  # the new token's position
-        if i == max_new_tokens - 1:
+        out[:, p:p + 1] = token
+        if p == T + max_new_tokens - 1:
             break
         if rope or p < L:
-            logits = decode(model, token, torch.tensor([p], device=idx.device), state)
+            logits = step(model, token, pos, state)
+            pos += 1
         else:  # learned positions, context full: the window of the last L tokens, again
-            logits = prefill(model, idx[:, -L:], state)
-    return idx
+            logits = fill(model, out[:, p + 1 - L:p + 1], state)
+    return out
 
 
 # -- the command line -----------------------------------------------------------------------------
@@ -271,11 +312,10 @@ def main(argv):
         raise UserError(str(e)) from e
     ids = encode_prompt(read_prompt(cfg.start), tok, model.cfg.vocab_size)
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
-    decode = torch.compile(decode_one_token, fullgraph=True) if cfg.compile else decode_one_token
     t0 = time.perf_counter()
     with env.autocast():
         y = generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, cfg.top_p,
-                     steps, solver, decode)
+                     steps, solver, cfg.compile)
     common.synchronize(env.device)  # a GPU (CUDA, MPS) may still be computing
     dt = time.perf_counter() - t0
     for row in y.tolist():

@@ -218,10 +218,10 @@ def inference(call, x, env):
     return forward
 
 
-def decode_cached(model, prompt, n, env, decode=None):
+def decode_cached(model, prompt, n, env, compile=False):
     def run():
         with env.autocast():
-            sample.generate(model, prompt, n, temperature=0, decode=decode or sample.decode_one_token)
+            sample.generate(model, prompt, n, temperature=0, compile=compile)
     return run
 
 
@@ -315,7 +315,7 @@ def run_rows(mcfg, cfg, env, table):
         # ODE against GPT: a 5% question, so three times the rounds (cached decoding is the quick part)
         steps = {"eager": None, "compiled step": "compiled"} if cfg.compile else {"eager": None}
         for mode, compiled in steps.items():
-            fns = {k: decode_cached(models[k], prompt, n, env, torch.compile(sample.decode_one_token, fullgraph=True) if compiled else None)
+            fns = {k: decode_cached(models[k], prompt, n, env, bool(compiled))
                    for k in ("GPT", "ODE")}
             label = f"decode {n} tokens after {P}, KV cache, {mode} ({3 * cfg.pairs} rounds):"
             t = timed(label, fns, n, {k: flops[f"{k}, KV cache"] for k in fns}, compiled=bool(compiled), rounds=3 * cfg.pairs)

@@ -66,7 +66,7 @@ def test_spectra_equal_numpy_eigvals_of_the_materialised_weights(model_type, fla
     model = randomized(model_type=model_type, flavor=flavor)
     C, H, N = model.cfg.n_embd, model.cfg.n_head, model.cfg.n_layer
     with torch.no_grad():
-        qk, ov, ffn = analyze.spectra(analyze.stack(analyze.forward_weights(model, N)), model.cfg)
+        qk, ov, ffn = analyze.spectra(analyze.stack(model.step_weights(N, "euler")), model.cfg)
         layers = model.materialize(N).layers if model.cfg.is_ode else model.layers
         for k, layer in enumerate(layers):
             np_qk, np_ov, np_ffn = numpy_spectra(layer.weights(), C, H)
@@ -90,7 +90,7 @@ def test_spectral_matrices_are_what_the_forward_pass_multiplies_by():
     idx = tokens(12)[None]
 
     def analysed():
-        return analyze.spectra(analyze.stack(analyze.forward_weights(model, model.cfg.n_layer)), model.cfg)
+        return analyze.spectra(analyze.stack(model.step_weights(model.cfg.n_layer, "euler")), model.cfg)
 
     with torch.no_grad():
         logits, _ = model(idx)
@@ -213,7 +213,7 @@ def test_last_position_attention_weights_reproduce_the_attention_output(flavor):
     model = randomized(flavor=flavor, std=0.3)
     cfg, T = model.cfg, 9
     with torch.no_grad():
-        w = analyze.forward_weights(model, cfg.n_layer)[1]
+        w = model.step_weights(cfg.n_layer, "euler")[1]
         rope = rope_tables(torch.arange(T), cfg.n_embd // cfg.n_head, torch.float64) if flavor == "llama" else None
         x = torch.randn(T, cfg.n_embd, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         p = analyze.last_position_attention(x, w, cfg, rope)  # (H, T)

@@ -111,17 +111,17 @@ def test_decoding_computes_the_last_row_of_the_logits():
     model = random_model()
     full, _ = model(prompt(7))
     state = sample.setup_caches(model, 2, 8, 3, "euler")
-    last, _ = model(prompt(7), weights=state.weights, cache=state.at(torch.arange(7)))
+    last, _ = model(prompt(7), weights=state.weights, context=state.context(torch.arange(7)))
     assert last.shape == (2, 1, TINY["vocab_size"]) and (last - full[:, -1:]).abs().max() < 1e-12
     with pytest.raises(ValueError, match="no loss"):
-        model(prompt(7), targets=prompt(7), cache=state.at(torch.arange(7)))
+        model(prompt(7), targets=prompt(7), context=state.context(torch.arange(7)))
 
 
 def test_decoding_needs_caches_set_up_for_its_steps():
     model = random_model()
     state = sample.setup_caches(model, 1, 8, 3, "euler")
     with pytest.raises(ValueError, match="4 euler steps need 4 KV caches, got 3"):
-        model(prompt(1, B=1), steps=4, cache=state.at(torch.tensor([0])))
+        model(prompt(1, B=1), steps=4, context=state.context(torch.tensor([0])))
     with pytest.raises(ValueError, match="9 tokens do not fit KV caches of 8 positions"):
         sample.prefill(model, prompt(9, B=1), state)
 
@@ -130,9 +130,8 @@ def test_compiled_decode_step_matches_eager_without_graph_breaks_or_recompiles()
     torch._dynamo.reset()
     model = random_model(flavor="llama").float()
     eager = generate(model, prompt(3), 2 * BLOCK, temperature=0)
-    decode = torch.compile(sample.decode_one_token, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):  # positions change, shapes do not
-        fast = generate(model, prompt(3), 2 * BLOCK, temperature=0, decode=decode)
+        fast = generate(model, prompt(3), 2 * BLOCK, temperature=0, compile=True)
     assert torch.equal(eager, fast)
 
 
