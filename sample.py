@@ -197,11 +197,10 @@ def decode_one_token(model, idx, input_pos, state):
 
 @functools.cache
 def compiled(fn, device_type):
-    """fn compiled as gpt-fast compiles its decoding: whole (fullgraph), and on CUDA the one-token
-    step as CUDA graphs (mode="reduce-overhead"), so that a token costs one graph launch instead of
-    hundreds of kernel launches from Python."""
-    graphs = device_type == "cuda" and fn is decode_one_token
-    return torch.compile(fn, fullgraph=True, mode="reduce-overhead" if graphs else None)
+    """fn compiled as gpt-fast compiles its decoding: whole (fullgraph), and on CUDA as CUDA graphs
+    (mode="reduce-overhead"), so that a token costs one graph launch instead of hundreds of kernel
+    launches from Python."""
+    return torch.compile(fn, fullgraph=True, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
 @torch.no_grad()
@@ -210,8 +209,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     """idx (B, T) followed by max_new_tokens tokens, each drawn by sample_next from the last logits.
     Past the context: a RoPE model goes on with a sliding window of block_size positions at the same
     cost; a GPT-flavour model's learned positions move, so it recomputes the window of the last
-    block_size tokens for every token (what decoding without a cache costs). compile: the one-token
-    step and the prefill compiled (`compiled`); the first call compiles them."""
+    block_size tokens for every token (what decoding without a cache costs). compile: what repeats
+    per token, compiled (`compiled`): the one-token step, and the window's recomputation; the prompt
+    runs eagerly (one pass: compiling it would cost more than it saves)."""
     B, T = idx.size()
     if T == 0:
         raise ValueError("generate needs a prompt of at least one token")
@@ -219,19 +219,19 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     L = min(T + max_new_tokens, model.cfg.block_size)
     state = setup_caches(model, B, L, steps, solver)
     device = idx.device
-    fill, step = (compiled(prefill, device.type), compiled(decode_one_token, device.type)) \
-        if compile else (prefill, decode_one_token)
+    step, window = (compiled(decode_one_token, device.type), compiled(prefill, device.type)) \
+        if compile else (decode_one_token, prefill)
     out = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=device)
     out[:, :T] = idx
     pos = torch.full((1,), min(T, L), device=device)  # the position of the next token fed
     rope = model.cfg.flavor == "llama"
     if rope:  # the first L tokens at once, then one by one into the sliding window
-        logits = fill(model, idx[:, :L], state)
+        logits = prefill(model, idx[:, :L], state)
         for p in range(L, T):
             logits = step(model, idx[:, p:p + 1].contiguous(), pos, state)
             pos += 1  # on the device: no token waits for the host
     else:
-        logits = fill(model, idx[:, -L:], state)
+        logits = prefill(model, idx[:, -L:], state)
     for p in range(T, T + max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
         out[:, p:p + 1] = token
@@ -241,7 +241,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
             logits = step(model, token, pos, state)
             pos += 1
         else:  # learned positions, context full: the window of the last L tokens, again
-            logits = fill(model, out[:, p + 1 - L:p + 1], state)
+            logits = window(model, out[:, p + 1 - L:p + 1], state)
     return out
 
 

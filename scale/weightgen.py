@@ -8,9 +8,11 @@ and evaluate get a diffeq model's weights, on one process, under DDP and under F
         (loss / accum).backward()          # dL/dW(t_k) += ...
     gen.backward()                         # dL/dtheta = (dW/dtheta)^T dL/dW, once
 
-On one process and under DDP this is one HyperNetwork.forward (model.py) for all the times, detached
-leaves that collect dL/dW over the micro-steps, and one backward into the hypernetwork; under DDP,
-dL/dW is all-reduced first (as many bytes as a GPT's gradients). Under FSDP2 the hypernetwork's
+On one process and under DDP this is one HyperNetwork.forward (model.py) for all the times, a
+detached leaf per time whose gradient is added into one flat dL/dW buffer after each micro-step's
+backward (as a GPT's gradients accumulate: nothing is stacked or copied per micro-step), and one
+backward into the hypernetwork; under DDP, the buffer is all-reduced first (as many bytes as a GPT's
+gradients, in one collective). Under FSDP2 the hypernetwork's
 parameters are sharded, and gathering them (6.5B for the ODE Llama-1B) is what sharding avoids: the
 same steps run without gathering A_W.
 
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.func import functional_call
 
-from model import TimeDependentLinear, TimeDependentNorm, unbind_times
+from model import TimeDependentLinear, TimeDependentNorm
 
 
 class WeightGenerator:
@@ -71,39 +73,42 @@ class WeightGenerator:
         return DTensor.from_local(t.to(self.dtype), self.mesh, [Shard(1)], run_check=False,
                                   shape=(t.size(0), columns), stride=(columns, 1)).full_tensor()
 
+    def whole(self, name, out):
+        """All of what unit `name` generated, (T, ...) each, without its autograd history: this
+        process's own, or (sharded) every process's columns, all-gathered in the compute dtype."""
+        if not self.sharded:
+            return [None if t is None else t.detach() for t in out]
+        return [None if t is None else self.gather(t, n)
+                for t, n in zip(out, self.columns(self.units[name]))]
+
     # -- once per iteration ------------------------------------------------------------------------
     def generate(self, steps=None, solver=None, offsets=None, grad=True):
         """W(t) at every stage time of `steps` steps of `solver` (the model's by default), Euler's
-        times moved back by `offsets` (steps,) (METHOD 8.2). With grad, as leaves that collect dL/dW
-        for backward(); without (evaluation), as plain tensors. Returns them, as weights() does."""
+        times moved back by `offsets` (steps,) (METHOD 8.2). With grad, as one leaf per time that
+        collects dL/dW for backward(); without (evaluation), as plain tensors. Returns them, as
+        weights() does."""
         steps, solver = self.model.check_steps(steps, solver)
         ts = self.model.times(steps, solver, offsets)
         self.release()
-        if not self.sharded:  # one process or DDP: one HyperNetwork.forward for all the times
-            with torch.set_grad_enabled(grad):
-                self.generated = self.hyper(ts)  # {name: (W (T, out, in), b (T, out) or None)}
-            self.leaves = {name: [None if w is None else w.detach().requires_grad_(grad)
-                                  for w in pair] for name, pair in self.generated.items()}
-            return self.weights()
-        self.generated = {}
         with torch.set_grad_enabled(grad):
-            e = self.hyper.time_embedding(ts).to(self.param_dtype)  # (T, 2S+1)
-            for name, unit in self.units.items():
-                mlp = {n: self.full(p) for n, p in unit.time_mlp.named_parameters()}
-                z = functional_call(unit.time_mlp, mlp, (e,))  # (T, d_t)
-                own = {n: p.to_local() for n, p in unit.named_parameters(recurse=False)}
-                # this process's columns, (T, n) each
-                self.generated[name] = type(unit).generate(z, **own)
+            if not self.sharded:  # one process or DDP: one HyperNetwork.forward for all the times
+                self.generated = self.hyper(ts)  # {name: (W (T, out, in), b (T, out) or None)}
+            else:  # each process its columns of every W, (T, n), from its own shards
+                e = self.hyper.time_embedding(ts).to(self.param_dtype)  # (T, 2S+1)
+                self.generated = {}
+                for name, unit in self.units.items():
+                    mlp = {n: self.full(p) for n, p in unit.time_mlp.named_parameters()}
+                    z = functional_call(unit.time_mlp, mlp, (e,))  # (T, d_t)
+                    own = {n: p.to_local() for n, p in unit.named_parameters(recurse=False)}
+                    self.generated[name] = type(unit).generate(z, **own)
         with torch.no_grad():
-            full = {name: [None if t is None else self.gather(t, n)
-                           for t, n in zip(out, self.columns(self.units[name]))]
-                    for name, out in self.generated.items()}
+            full = {name: self.whole(name, out) for name, out in self.generated.items()}
         if not grad:
             self.leaves = {name: [None if t is None else t.unbind(0) for t in out]
                            for name, out in full.items()}
             return self.weights()
-        # dL/dW of every time accumulates, in the parameters' dtype, in one flat buffer
-        # (one reduce-scatter)
+        # a leaf per time, each adding its dL/dW into its row of one flat buffer, in the parameters'
+        # dtype: accumulated over the micro-steps as a GPT's gradients are, reduced in one collective
         sizes = [t.numel() for out in full.values() for t in out if t is not None]
         self.flat = torch.zeros(sum(sizes), device=self.device, dtype=self.param_dtype)
         self.leaves, self.grads, offset = {}, {}, 0
@@ -114,7 +119,7 @@ class WeightGenerator:
                     self.leaves[name].append(None)
                     self.grads[name].append(None)
                     continue
-                grad_buffer = self.flat[offset:offset + t.numel()].view(t.shape)  # (T, n)
+                grad_buffer = self.flat[offset:offset + t.numel()].view(t.shape)  # (T, ...)
                 offset += t.numel()
                 steps_of = [w.detach().requires_grad_() for w in t.unbind(0)]  # a leaf per time
                 for w, g in zip(steps_of, grad_buffer.unbind(0)):
@@ -125,40 +130,32 @@ class WeightGenerator:
 
     def weights(self):
         """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=):
-        fresh views of the leaves, one list per micro-step."""
-        if not self.sharded:
-            return unbind_times(self.leaves)
+        the leaves themselves (a sharded W's columns in the block's layout), one list per
+        micro-step."""
         T = len(next(iter(self.leaves.values()))[0])
-        return [self.hyper.assemble({name: tuple(None if t is None else t[k] for t in out)
-                                     for name, out in self.leaves.items()})
-                for k in range(T)]
+        at = [{name: tuple(None if t is None else t[k] for t in out)
+               for name, out in self.leaves.items()} for k in range(T)]
+        return [self.hyper.assemble(w) for w in at] if self.sharded else at
 
     def backward(self):
         """dL/dW, summed over the micro-steps, into the hypernetwork's gradients, averaged over the
         processes: all-reduced (DDP) or reduce-scattered to each process's columns (FSDP2), then one
         autograd pass back through the generation."""
-        if not self.sharded:
-            pairs = [(w, leaf.grad) for name, pair in self.generated.items()
-                     for w, leaf in zip(pair, self.leaves[name]) if w is not None]
-            for _, grad in pairs:
-                if self.world > 1:  # every process pulls back the same dL/dW, averaged over them
-                    dist.all_reduce(grad)
-                grad.div_(self.world)
-            self.release()
-            torch.autograd.backward(*zip(*pairs))
-            return
+        if self.world > 1 and not self.sharded:  # every process pulls back the same dL/dW
+            dist.all_reduce(self.flat)
         self.flat.div_(self.world)
         outputs, grads = [], []
         for name, out in self.generated.items():
             for t, g in zip(out, self.grads[name]):
                 if t is None:
                     continue
-                # (T, columns) summed over processes -> this process's columns
-                partial = DTensor.from_local(g, self.mesh, [Partial()], run_check=False)
+                if self.sharded:  # (T, columns) summed over processes -> this process's columns
+                    partial = DTensor.from_local(g, self.mesh, [Partial()], run_check=False)
+                    g = partial.redistribute(self.mesh, [Shard(1)]).to_local()
                 outputs.append(t)
-                grads.append(partial.redistribute(self.mesh, [Shard(1)]).to_local())
+                grads.append(g)
         generated = self.generated
-        self.release()  # the leaves and the full-size dL/dW go before the pull-back
+        self.release()  # the leaves go before the pull-back
         torch.autograd.backward(outputs, grads)
         del generated
 

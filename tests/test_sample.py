@@ -103,8 +103,26 @@ def test_the_odes_weights_are_generated_once_per_generation():
     assert len(calls) == 1
     model.hyper.fc.B_W.data.add_(0.1)  # new weights: the next generation must see them
     model.train().eval()
-    generate(model, prompt(4), 2, temperature=0)
+    out = generate(model, prompt(4), 2, temperature=0)
     assert len(calls) == 2
+    assert torch.equal(out[:, 4], recomputed_logits(model, prompt(4)).argmax(-1))
+
+
+@pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
+def test_a_generation_refills_the_last_state_in_place_with_the_new_weights(model_type):
+    """The second generation of the same shapes reuses the first one's caches and weight tensors (their
+    addresses are what a CUDA graph reads) and copies the model's new weights into them: its tokens are
+    those of the changed model, also where fewer positions than before are written."""
+    model = random_model(model_type)
+    generate(model, prompt(BLOCK - 4), 4, temperature=0)
+    addresses = [t.data_ptr() for t in sample.STATES[model].tensors()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    out = generate(model, prompt(BLOCK - 4, seed=2), 4, temperature=0)
+    assert [t.data_ptr() for t in sample.STATES[model].tensors()] == addresses
+    for t in range(BLOCK - 4, BLOCK):
+        assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t]).argmax(-1)), t
 
 
 def test_decoding_computes_the_last_row_of_the_logits():
@@ -126,13 +144,21 @@ def test_decoding_needs_caches_set_up_for_its_steps():
         sample.prefill(model, prompt(9, B=1), state)
 
 
-def test_compiled_decode_step_matches_eager_without_graph_breaks_or_recompiles():
+@pytest.mark.parametrize("model_type,flavor,solver", [("diffeq", "llama", "euler"), ("diffeq", "gpt", "rk4"),
+                                                     ("baseline", "gpt", "euler")])
+def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recompiles(model_type, flavor, solver):
+    """generate(compile=True) past the context: a RoPE model's one-token step through its sliding window,
+    and a GPT-flavour model's window recomputation, each compiled once (positions change, shapes do not)
+    and whole, a second generation included (the refilled state: the same addresses)."""
     torch._dynamo.reset()
-    model = random_model(flavor="llama").float()
-    eager = generate(model, prompt(3), 2 * BLOCK, temperature=0)
-    with torch._dynamo.config.patch(error_on_recompile=True):  # positions change, shapes do not
-        fast = generate(model, prompt(3), 2 * BLOCK, temperature=0, compile=True)
-    assert torch.equal(eager, fast)
+    model = random_model(model_type, flavor).float()
+    steps, solver = (3, solver) if model.cfg.is_ode else (None, None)
+    eager = generate(model, prompt(3), 2 * BLOCK, temperature=0, steps=steps, solver=solver)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            fast = generate(model, prompt(3), 2 * BLOCK, temperature=0, steps=steps, solver=solver, compile=True)
+            assert torch.equal(eager, fast)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
 
 
 # -- sampling filters -----------------------------------------------------------------------------------
