@@ -1,20 +1,23 @@
 """
-The GPU check: one script that shows, within 7 minutes on one H100 or H200, that the code paths only a GPU
-takes run there, and measures them. On a machine without CUDA it runs a tiny version of itself in seconds
-(CI does), so that it keeps working until a GPU is lent.
+The GPU check: one script that shows, within 8 minutes on one H100 or H200, that the code paths only a GPU
+takes run there, and measures them. On a machine without CUDA it runs a tiny version of itself in about a
+minute (CI does), so that it keeps working until a GPU is lent.
 
     python -m experiments.gpu_check --out=out-gpu-check
 
 1. tests/test_cuda.py, in a pytest process of its own: CUDA against the CPU for every model in float32
-   and bf16, the SDPA kernels of training and of decoding, the KV cache against recomputation, float16
-   with GradScaler, --compile, the memory plan against the allocator, torchrun and resumption.
-2. GPT against DiffEqFormer at GPT-2 small's shape (config/owt_gpt_small.py, one micro-step of 16 x 1024
-   tokens per optimizer step), train.py's own training step (train.train_step: forward, backward,
-   clipping, fused AdamW; the ODE's weights generated once per optimizer step), eager, then compiled:
-   interleaved rounds (GPT, ODE, matmul, then matmul, ODE, GPT, ...) as experiments/bench.py does;
-   tokens/s as median and interquartile range, MFU as train.py counts it, the allocator's peak beside
-   the memory plan, the first call (compiling) and graph breaks, the ODE/GPT ratio of paired rounds.
-3. Greedy decoding with the KV cache (sample.generate), GPT and ODE interleaved.
+   and bf16, the SDPA kernels of training and of decoding, the KV cache against recomputation, compiled
+   decoding's CUDA graphs against eager decoding, float16 with GradScaler, --compile, the memory plan
+   against the allocator, torchrun and resumption.
+2. Greedy decoding with the KV cache (sample.generate) at GPT-2 small's shape (config/owt_gpt_small.py),
+   batch 1 and 16: GPT and ODE, eager and compiled as sample.py --compile runs it, interleaved.
+3. GPT against DiffEqFormer at that shape (one micro-step of 16 x 1024 tokens per optimizer step),
+   train.py's own training step (train.train_step: forward, backward, clipping, fused AdamW; the ODE's
+   weights generated once per optimizer step), compiled, then eager: interleaved rounds (GPT, ODE,
+   matmul, then matmul, ODE, GPT, ...) as experiments/bench.py does; tokens/s as median and
+   interquartile range, MFU as train.py counts it, the allocator's peak beside the memory plan, the
+   first call (compiling) and graph breaks, the ODE/GPT ratio of paired rounds.
+4. Where the compiled steps' time goes: phase by phase and kernel by kind, GPT beside the ODE.
 
 Every part looks at the clock first: one that the budget would not cover is skipped with a
 "skipped: time" row. One table is printed and written to OUT/gpu_check.txt, its numbers to
@@ -35,6 +38,7 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import common
@@ -45,18 +49,20 @@ from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
 from scale import memory
+from scale.weightgen import WeightGenerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where pytest runs
 TESTS = "tests/test_cuda.py"
 SHAPE = ["config/owt_gpt_small.py", "--gradient_accumulation_steps=1"]  # GPT-2 small, 16 x 1024 tokens
 SIZES = {  # a GPU's run, and the tiny one a CPU does in seconds
-    "cuda": dict(shape=SHAPE, pairs=10, prompt=16, decode=256),
+    "cuda": dict(shape=SHAPE, pairs=10, prompt=16, decode=256, batches=(1, 16), decode_rounds=3),
     "cpu": dict(shape=SHAPE + ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32",
                                "--vocab_size=512", "--d_t=4", "--time_freqs=4", "--batch_size=2"],
-                pairs=2, prompt=4, decode=8),
+                pairs=2, prompt=4, decode=8, batches=(1,), decode_rounds=2),
 }
 # the seconds a part may take on an H100, judged generously: with less left, it is skipped
-NEED = {"train step, eager": 30, "decode": 25, "train step, compiled": 75}  # compiled: per model
+NEED = {"decode, batch 1": 80, "decode, batch 16": 60,  # eager and compiled: both models compile
+        "train step, compiled": 75, "profile": 15, "train step, eager": 30}  # compiled: per model
 BENCHMARK_S = sum(NEED.values()) + NEED["train step, compiled"]  # what the tests leave (compiled: 2 models)
 TESTS_GRACE = 60  # the tests start none after their deadline; one still running then is stopped this later
 MODELS = {"GPT": "baseline", "ODE": "diffeq"}
@@ -65,7 +71,7 @@ MODELS = {"GPT": "baseline", "ODE": "diffeq"}
 @dataclass
 class CheckConfig:
     out: str = "out-gpu-check"  # gpu_check.txt (the table), gpu_check.json, the tests' log and junit XML
-    budget_s: float = 420.0  # the whole check's wall-clock budget: a part that would overrun it is skipped
+    budget_s: float = 480.0  # the whole check's wall-clock budget: a part that would overrun it is skipped
     tests: bool = True  # run tests/test_cuda.py first
 
 
@@ -249,34 +255,139 @@ def train_rows(compiled, mcfg, cfg, env, sizes, clock, report, peak):
         ratios = quartiles([o / g for o, g in zip(times["ODE"], times["GPT"])])
         report["ratios"].append(dict(label=f"{part}: ODE / GPT", quartiles=list(ratios)))
     report["matmul_tflops"] = max(report.get("matmul_tflops", 0), mm_flops / min(times["matmul"]) / 1e12)
-    return models
+    return steps
 
 
-def decode_rows(models, mcfg, env, sizes, clock, report):
-    """Greedy decoding of `decode` tokens after a random prompt, with the KV cache, GPT and ODE interleaved."""
-    n, P = sizes["decode"], sizes["prompt"]
-    part = f"decode {n} tokens after {P}, KV cache"
-    if not clock.allows(part, NEED["decode"], report):
-        return
-    if len(models) < 2:
-        report["skipped"].append(dict(part=part, reason="the eager training step built no models"))
-        return
-    prompt = torch.randint(mcfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(0)).to(env.device)
+def decode_rows(mcfg, env, sizes, clock, report):
+    """Greedy decoding with the KV cache (sample.generate) of `decode` tokens after a random prompt, at
+    each batch size: GPT and ODE, eager and as `sample.py --compile` runs it (on CUDA, CUDA graphs), the
+    four interleaved in every round, so that compiled against eager is a paired ratio too; the first
+    call's time (compiling) and whether the compiled tokens are the eager ones."""
+    n, P, sync = sizes["decode"], sizes["prompt"], synchronizer(env)
+    models = {}
+    for name, model_type in MODELS.items():  # random weights, as a training run starts
+        torch.manual_seed(0)
+        with torch.device(env.device):
+            models[name] = DiffEqFormer(ModelConfig(**{**mcfg.to_dict(), "model_type": model_type})).eval()
 
-    def decoding(model):
+    def decoding(model, prompt, compiled):
         def run():
             with env.autocast():
-                generate(model, prompt, n, temperature=0)
+                return generate(model, prompt, n, temperature=0, compile=compiled)
         return run
-    fns = {name: decoding(model.eval()) for name, model in models.items()}
+    for B in sizes["batches"]:
+        part = f"decode {n} tokens after {P}, batch {B}"
+        if not clock.allows(part, NEED[f"decode, batch {B}"] if B in (1, 16) else 60, report):
+            continue
+        prompt = torch.randint(mcfg.vocab_size, (B, P), generator=torch.Generator().manual_seed(0)).to(env.device)
+        fns = {(name, mode): decoding(model, prompt, mode == "compiled")
+               for mode in ("eager", "compiled") for name, model in models.items()}
+        try:
+            times, first = interleaved(fns, sizes["decode_rounds"], 1, sync)
+            tokens = {key: fn() for key, fn in fns.items()}
+        except Exception as e:
+            record_failure(part, e, report)
+            continue
+        for (name, mode), t in times.items():
+            row = dict(part=f"{part}, {mode}", model=name, tokens_per_s=list(quartiles([B * n / s for s in t])))
+            if mode == "compiled":
+                row.update(first_call_s=first[name, mode],
+                           same_tokens=bool(torch.equal(tokens[name, mode], tokens[name, "eager"])))
+            report["rows"].append(row)
+        for mode in ("eager", "compiled"):
+            report["ratios"].append(dict(label=f"{part}, {mode}: ODE / GPT", quartiles=list(quartiles(
+                [o / g for o, g in zip(times["ODE", mode], times["GPT", mode])]))))
+        for name in models:
+            report["ratios"].append(dict(label=f"{part}, {name}: compiled / eager", quartiles=list(quartiles(
+                [c / e for c, e in zip(times[name, "compiled"], times[name, "eager"])]))))
+
+
+# -- 4. where a training step's time goes -------------------------------------------------------------
+
+PHASES = {  # the calls train.train_step makes, by phase; the rest of its time is the forward pass
+    "weight generation": [(WeightGenerator, "generate")],
+    "backward": [(torch.Tensor, "backward")],
+    "backward into the hypernetwork": [(WeightGenerator, "backward")],
+    "clipping": [(torch.nn.utils, "get_total_norm"), (torch.nn.utils, "clip_grads_with_norm_")],
+    "optimizer": [(torch.amp.GradScaler, "step")],
+}
+REST = "forward (blocks, head, loss) and the rest"
+KERNELS = {  # kernel or operator names by kind, first match wins
+    "matmul": ("gemm", "cutlass", "sm90", "sm80", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+               "aten::linear"),
+    "attention": ("flash", "fmha", "attention", "sdpa"),
+    "optimizer": ("adam", "multi_tensor"),
+    "fused by inductor": ("triton_",),
+    "copies and casts": ("copy", "memcpy", "memset", "fill", "cast", "aten::to", "aten::cat", "aten::stack"),
+}
+
+
+def phase_seconds(step, sync, rounds=3):
+    """{phase: median seconds} of `step` (a train.train_step call), each call of PHASES timed with the
+    device synchronised around it; the rest of the step is the forward pass (and the batch's fetch)."""
+    spent = defaultdict(list)
+
+    def timed(phase, fn):
+        def call(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            spent[phase][-1] += time.perf_counter() - t0
+            return out
+        return call
+    originals = [(owner, name, getattr(owner, name)) for calls in PHASES.values() for owner, name in calls]
     try:
-        times, _ = interleaved(fns, max(2, sizes["pairs"] // 3), 1, synchronizer(env))
+        for phase, calls in PHASES.items():
+            for owner, name in calls:
+                setattr(owner, name, timed(phase, getattr(owner, name)))
+        for _ in range(rounds):
+            for phase in (*PHASES, REST):
+                spent[phase].append(0.0)
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            spent[REST][-1] = time.perf_counter() - t0 - sum(spent[p][-1] for p in PHASES)
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    return {phase: float(np.median(t)) for phase, t in spent.items()}
+
+
+def kernel_seconds(step, cuda):
+    """{kind: seconds} of one `step` under torch.profiler: the GPU's kernels (on a CPU, the operators'
+    own time), by KERNELS' kinds, and the five longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda]
+    own = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 for e in events}
+    kinds = defaultdict(float)
+    for key, seconds in own.items():
+        kinds[next((kind for kind, names in KERNELS.items() if any(n in key.lower() for n in names)), "other")] \
+            += seconds
+    top = sorted(own.items(), key=lambda kv: -kv[1])[:5]
+    return dict(kinds), [[key[:80], seconds] for key, seconds in top]
+
+
+def profile_rows(steps, env, clock, report):
+    """Both models' training steps, phase by phase and kernel by kind (compiled on CUDA, as timed)."""
+    if len(steps) < 2:
+        report["skipped"].append(dict(part="profile", reason="needs both models' training steps"))
+        return
+    if not clock.allows("profile", NEED["profile"], report):
+        return
+    sync, cuda = synchronizer(env), env.device.type == "cuda"
+    try:
+        for name, step in steps.items():
+            kinds, top = kernel_seconds(step, cuda)
+            report["profile"][name] = dict(phases=phase_seconds(step, sync), kernels=kinds, top=top)
     except Exception as e:
-        return record_failure(part, e, report)
-    for name in fns:
-        report["rows"].append(dict(part=part, model=name, tokens_per_s=list(quartiles([n / t for t in times[name]]))))
-    report["ratios"].append(dict(label=f"{part}: ODE / GPT",
-                                 quartiles=list(quartiles([o / g for o, g in zip(times["ODE"], times["GPT"])]))))
+        record_failure("profile", e, report)
 
 
 # -- the table ------------------------------------------------------------------------------------------
@@ -318,6 +429,8 @@ def table(report):
                      f"{r['first_call_s']:.1f} s" if "first_call_s" in r else "",
                      f"{r['first_loss']:.4f}" if "first_loss" in r else "",
                      "" if r.get("graph_breaks") is None else str(r["graph_breaks"])]
+            if "same_tokens" in r:  # compiled decoding: its tokens against the eager ones
+                cells[5] = "same tokens" if r["same_tokens"] else "OTHER TOKENS"
             lines.append(f"{r['part'] + ': ' + r['model']:44s}{q[1]:>10,.0f} [{q[0]:>7,.0f}, {q[2]:>7,.0f}]"
                          f"{cells[0]:>7s}{cells[1]:>10s}{cells[2]:>10s}{cells[3]:>12s}{cells[4]:>12s}{cells[5]:>14s}")
         for r in report["ratios"]:
@@ -328,11 +441,34 @@ def table(report):
             lines.append(f"MFU against {against}; a dense matmul here "
                          f"reached {report['matmul_tflops']:,.1f} TFLOP/s; peak: the CUDA allocator's, the plan's "
                          f"without its allowance for the CUDA context")
+    lines += profile_table(report.get("profile", {}))
     for skip in report["skipped"]:
         lines.append(f"skipped: {skip['part']} ({skip['reason']})")
     for failure in report["failed"]:
         lines.append(f"FAILED: {failure['part']} ({failure['error']})")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def profile_table(profile):
+    """The profile's phases and kernel kinds, ms per step, GPT beside the ODE and the ODE's extra time as
+    a share of GPT's step."""
+    if len(profile) < 2:
+        return []
+    gpt, ode = profile["GPT"], profile["ODE"]
+    step = sum(gpt["phases"].values())
+    lines = [f"\nwhere a training step's time goes (ms per step; extra: ODE - GPT, % of GPT's step of "
+             f"{1e3 * step:.1f} ms)", f"{'phase (synchronised at its calls)':44s}{'GPT':>9s}{'ODE':>9s}{'extra':>9s}"]
+    for what, rows in (("phases", (*PHASES, REST)), ("kernels", (*KERNELS, "other"))):
+        if what == "kernels":
+            total = sum(gpt["kernels"].values())
+            lines.append(f"{'kernels by kind (torch.profiler, own time)':44s}{'':9s}{'':9s}{'':9s}"
+                         f"  GPT's kernels: {1e3 * total:.1f} ms")
+        for row in rows:
+            a, b = gpt[what].get(row, 0.0), ode[what].get(row, 0.0)
+            lines.append(f"  {row:42s}{1e3 * a:9.2f}{1e3 * b:9.2f}{100 * (b - a) / step:+8.1f}%")
+    for name in ("GPT", "ODE"):
+        lines.append(f"{name}'s longest kernels: " + "; ".join(f"{k} {1e3 * t:.2f} ms" for k, t in profile[name]["top"]))
+    return lines
 
 
 def save(report, cfg, clock):
@@ -353,18 +489,22 @@ def main(argv):
     report = dict(machine=dict(device=torch.cuda.get_device_name() if cuda else "CPU (the tiny version)",
                                torch=torch.__version__, cuda=torch.version.cuda,
                                peak_tflops=peak / 1e12 if peak else None),
-                  budget_s=cfg.budget_s, rows=[], ratios=[], skipped=[], failed=[])
+                  budget_s=cfg.budget_s, rows=[], ratios=[], skipped=[], failed=[], profile={})
     run_tests(cfg, clock, report)
     save(report, cfg, clock)
     report["shape"] = dict(**{k: getattr(mcfg, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size",
                                                              "dropout")},
                            batch_size=tcfg.batch_size, dtype=str(env.dtype)[6:], pairs=sizes["pairs"])
-    models = train_rows(False, mcfg, tcfg, env, sizes, clock, report, peak)
+    decode_rows(mcfg, env, sizes, clock, report)
     save(report, cfg, clock)
-    decode_rows(models, mcfg, env, sizes, clock, report)
-    del models
+    steps = train_rows(True, mcfg, tcfg, env, sizes, clock, report, peak)
+    if steps:  # the compiled steps' profile, while their models are here
+        profile_rows(steps, env, clock, report)
+    del steps
     save(report, cfg, clock)
-    train_rows(True, mcfg, tcfg, env, sizes, clock, report, peak)
+    steps = train_rows(False, mcfg, tcfg, env, sizes, clock, report, peak)
+    if not report["profile"]:  # a CPU, or no compiled step: the eager steps' profile
+        profile_rows(steps, env, clock, report)
     save(report, cfg, clock)
     text = table(report)
     print(text)

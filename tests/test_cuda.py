@@ -171,6 +171,41 @@ def test_decoding_with_the_kv_cache_equals_recomputation(model_type, flavor, sol
     record_property("ties broken the other way", ties)
 
 
+# every model kind, both flavours (past the context: a RoPE model's sliding window, a GPT-flavour
+# model's window recomputed per token), every solver
+GRAPH_CASES = [("diffeq", "gpt", "euler"), ("diffeq", "llama", "rk4"), ("shared", "llama", "midpoint"),
+               ("baseline", "gpt", "euler"), ("baseline", "llama", "euler"), ("materialized", "gpt", "euler")]
+
+
+@pytest.mark.parametrize("model_type,flavor,solver", GRAPH_CASES)
+def test_compiled_decoding_runs_cuda_graphs_and_gives_the_eager_tokens(model_type, flavor, solver, monkeypatch,
+                                                                        record_property):
+    """sample.py --compile on CUDA (the one-token step and a GPT-flavour window's recomputation compiled
+    with mode="reduce-overhead"), past the context, in float32: the eager tokens, in two generations (the
+    second refills the first one's state in place). No graph is skipped, and each recorded graph copies in
+    at most 2 inputs (the token and its position, or the window's tokens): every weight and KV cache is
+    read where it lies, not copied into the graph per token."""
+    from torch._inductor import cudagraph_trees
+    recorded, init = [], cudagraph_trees.CUDAGraphNode.__init__
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphNode, "__init__",
+                        lambda self, *a, **k: recorded.append(1) or init(self, *a, **k))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = random_model(model_type, flavor).float().cuda()
+    steps, solver = (3, solver) if model.cfg.is_ode else (None, None)
+    idx = prompt(3).cuda()
+    eager = generate(model, idx, 2 * BLOCK, temperature=0, steps=steps, solver=solver)
+    for _ in range(2):
+        compiled = generate(model, idx, 2 * BLOCK, temperature=0, steps=steps, solver=solver, compile=True)
+        assert torch.equal(compiled, eager)
+    copied = counters["inductor"]["cudagraph_recorded_non_static_inputs"]
+    record_property("graphs recorded", len(recorded))
+    record_property("inputs copied per graph", round(copied / max(len(recorded), 1), 2))
+    assert counters["inductor"]["cudagraph_skips"] == 0 and len(recorded) >= 1
+    assert copied <= 2 * len(recorded)
+
+
 # -- training: float16, --compile, the memory plan, torchrun ------------------------------------------------
 
 def test_float16_with_gradscaler_trains_without_inf(tmp_path, shakespeare, record_property):
