@@ -96,6 +96,60 @@ def test_configurator_errors_are_one_clear_line(argv, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_spaced_bool_value_is_read_in_any_case():
+    """`--compile False`, as a user types it, is False: the value after a bool flag is read in any
+    case, as `--compile=False` is (a capitalised False must not turn the flag on)."""
+    for word, value in (("False", False), ("OFF", False), ("No", False), ("TRUE", True),
+                        ("On", True)):
+        opts, given = parse_config(["--lora", word, "--steps", "4"], Opts)
+        assert (opts.lora, opts.steps, given) == (value, 4, {"lora", "steps"}), word
+
+
+def test_a_bool_is_not_a_number(tmp_path):
+    """Python's True is an int, so `learning_rate = True` in a config file would train at 1.0: a
+    bool is refused where a number is expected, as on the command line."""
+    for line, message in (("lr = True", "--lr expects float, got True"),
+                          ("steps = False", "--steps expects int, got False")):
+        (tmp_path / "c.py").write_text(line + "\n")
+        with pytest.raises(ConfigError, match=message):
+            parse_config([str(tmp_path / "c.py")], Opts)
+    with pytest.raises(ConfigError, match="--lr expects float, got 'True'"):
+        parse_config(["--lr=True"], Opts)
+
+
+def test_the_maximum_step_count_is_accepted_wherever_steps_are_given():
+    """model.MAX_STEPS (1024) is the most steps an ODE takes: every place that takes a step count
+    (--train_steps as a number or a range, --n_layer, sample.py's and finetune.py's --steps,
+    experiments/depth.py's --steps, the forward pass) accepts it and refuses one more."""
+    import finetune
+    import sample
+    from experiments import depth
+    from model import MAX_STEPS
+    assert MAX_STEPS == 1024
+    model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=8, n_head=1, vocab_size=8, block_size=4,
+                                     d_t=2, time_freqs=2))
+    for n, fine in ((MAX_STEPS, True), (MAX_STEPS + 1, False)):
+        places = [(["--train_steps", str(n)], ModelConfig, train.TrainConfig),
+                  (["--train_steps", f"3-{n}"], ModelConfig, train.TrainConfig),
+                  (["--n_layer", str(n)], ModelConfig, train.TrainConfig),
+                  (["--steps", str(n)], sample.SampleConfig),
+                  (["--steps", str(n)], finetune.FinetuneConfig),
+                  (["--steps", f"3,{n}"], depth.DepthConfig)]
+        for argv, *classes in places:
+            if fine:
+                parse_config(argv, *classes)
+            else:
+                with pytest.raises(ConfigError, match=str(MAX_STEPS)):
+                    parse_config(argv, *classes)
+        if fine:
+            assert model.check_steps(n, "rk4") == (n, "rk4")
+            drawn, _ = train.iteration_steps(0, train.TrainConfig(train_steps=str(n)), model.cfg)
+            assert drawn == n
+        else:
+            with pytest.raises(ValueError, match=f"in 1..{MAX_STEPS}"):
+                model.check_steps(n, "rk4")
+
+
 def test_configurator_rejects_unknown_keys_in_files(tmp_path):
     (tmp_path / "c.py").write_text("lerning_rate = 1\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'lerning_rate' in .*c.py"):
