@@ -1,5 +1,8 @@
-"""common.py: safe loads, atomic sharded saves that survive a kill at any point, one run per
-out_dir, and resumption that leaves neither duplicate log rows nor orphaned temporary files."""
+"""checkpoints.py and common.py: safe loads, the old and the partial checkpoints that still load
+(no tokenizer entry, adapters on some linears), base hashes, atomic sharded saves that survive a
+kill at any point, one run per out_dir, and resumption that leaves neither duplicate log rows nor
+orphaned temporary files."""
+import hashlib
 import json
 import os
 import subprocess
@@ -12,12 +15,17 @@ import torch.distributed as dist
 
 import checkpoints
 import common
+import finetune
+import lora
+import sample
 import train
 from scale import resume, parallel
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, TINY
+from test_finetune import random_ode
+from test_sample import save_model
 
 
 @pytest.mark.parametrize("content,message", [
@@ -51,6 +59,56 @@ def test_clean_state_dict_strips_only_leading_wrapper_prefixes():
     cleaned = checkpoints.clean_state_dict({"module._orig_mod.wte.weight": 1, "layers.0.submodule.weight": 2,
                                             "_orig_mod.layers.0.module.bias": 3})
     assert cleaned == {"wte.weight": 1, "layers.0.submodule.weight": 2, "layers.0.module.bias": 3}
+
+
+def test_a_checkpoint_without_a_tokenizer_is_read_as_byte_tokens(tmp_path, capsys):
+    """The first checkpoints carry no `tokenizer` entry (they were all byte-level): checkpoints.load
+    gives them "byte", so that sample.py and every other script still read them."""
+    model, path = random_ode(vocab_size=256), str(tmp_path / "old.pt")
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(),
+                          model=model.state_dict()), path)
+    assert "tokenizer" not in torch.load(path, weights_only=True)
+    assert checkpoints.load(path)["tokenizer"] == "byte"
+    sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4",
+                 "--start=ab", "--temperature=0"])
+    assert capsys.readouterr().out.startswith("ab")
+
+
+def test_adapters_on_some_linears_load_on_those_linears_only(tmp_path):
+    """An adapters file of a run with lora_targets=attn,fc2 (not the default, all) is merged with
+    adapters on those linears: checkpoints.load_model gives the fine-tuned model's logits, as
+    merging it in memory does."""
+    base = save_model(tmp_path / "base.pt", random_ode())
+    fcfg = finetune.FinetuneConfig(steps=4, lora_rank=2, lora_targets="attn,fc2")
+    layers = lora.add_lora(random_ode().materialize(4), rank=2, targets=fcfg.lora_targets)
+    with torch.no_grad():
+        for name, p in layers.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0.0, 0.5)  # adapters that change the output
+    checkpoints.save(finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 4),
+                     str(tmp_path / "adapters.pt"))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = lora.merge_lora(layers).eval()(idx)[0]
+        loaded, _ = checkpoints.load_model(str(tmp_path / "adapters.pt"))
+        torch.testing.assert_close(loaded(idx)[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_folder_hash_covers_its_files_names(tmp_path):
+    """A folder base (exported, or from the Hub) is hashed by its files' names and bytes: a file
+    renamed, bytes and order unchanged, changes the hash and check_base refuses the folder. A file
+    alone is hashed by its bytes (the sha256 that adapters record)."""
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    before = checkpoints.file_hash(str(folder))
+    os.rename(folder / "config.json", folder / "config2.json")  # still sorted before the weights
+    assert checkpoints.file_hash(str(folder)) != before
+    with pytest.raises(UserError, match="has changed"):
+        checkpoints.check_base(str(folder), before)
+    single = folder / "model.safetensors"
+    assert checkpoints.file_hash(str(single)) == hashlib.sha256(b"weights").hexdigest()
 
 
 # -- sharded checkpoints, in a one-process gloo group ----------------------------------------------

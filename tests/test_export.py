@@ -4,6 +4,7 @@ give transformers' logits; GPT-2 weights come in through transformers (from a GP
 here with random weights, as OpenAI's would come from the Hub); offline, a Hub name is one line."""
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -103,6 +104,22 @@ def test_config_json_and_model_card(saved, tmp_path):
     for words in ("Neural ODE Transformers", f"{TINY['n_layer']} euler steps",
                   "2.5000 nats per token", "checkpoints.load_model(DIR)"):
         assert words in card
+
+
+def test_adapters_export_the_validation_loss_after_fine_tuning(saved, tmp_path):
+    """An adapters file's folder reports the validation loss its fine-tuning run ended at
+    (results.json's `after`, beside the file), not the one before fine-tuning, in config.json and
+    in the model card."""
+    (tmp_path / "ft").mkdir()
+    shutil.copy(saved["adapters"], tmp_path / "ft" / "adapters.pt")
+    results = dict(iters=40, dataset="wikitext2", before=dict(val_loss=3.0, val_ppl=20.09),
+                   after=dict(val_loss=2.0, val_ppl=7.39))
+    (tmp_path / "ft" / "results.json").write_text(json.dumps(results))
+    export.export(str(tmp_path / "ft" / "adapters.pt"), str(tmp_path / "folder"))
+    assert json.load(open(tmp_path / "folder" / "config.json"))["val_loss"] == 2.0
+    card = open(tmp_path / "folder" / "README.md").read()
+    assert "2.0000 nats per token" in card and "3.0000" not in card
+    assert "(40 iterations on wikitext2), merged into its weights" in card
 
 
 def test_every_script_loads_a_folder(saved, tmp_path, capsys):

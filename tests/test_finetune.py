@@ -61,6 +61,15 @@ def test_one_step_changes_only_adapters_and_merge_is_exact():
         lora.merge_lora(layers)
 
 
+def test_a_merged_model_trains_further():
+    """add_lora freezes the base; merging thaws every weight again, so that a merged model (what
+    checkpoints.load_model makes of an adapters file) can be trained further: every parameter
+    takes a gradient."""
+    layers = lora.merge_lora(lora.add_lora(random_ode().materialize(3), rank=2, targets="fc"))
+    layers(tokens(), targets=tokens())[1].backward()
+    assert all(p.requires_grad and p.grad is not None for p in layers.parameters())
+
+
 def test_merged_weight_is_w_plus_alpha_over_r_times_b_a():
     """METHOD 5 on hand-set adapters: the merged weight is W + (alpha / r) B A, exactly."""
     layers = random_ode().materialize(2)
@@ -165,6 +174,51 @@ def test_lora_under_ddp_with_frozen_parameters(tmp_path, shakespeare):
     assert any(k.endswith(".lora_B") and v.abs().max() > 0 for k, v in ddp.items())  # the adapters trained
     for k in one:
         assert torch.allclose(ddp[k], one[k], atol=1e-5), k
+
+
+SHORT = ["--steps", "3", "--dataset=target", "--max_iters=2", "--eval_interval=1", "--eval_iters=1",
+         "--batch_size=2"]  # with --input_file: a fine-tuning run of seconds
+
+
+def test_the_adapters_start_from_the_seed_alone(tmp_path, shakespeare, monkeypatch):
+    """LoRA's A is drawn right after torch.manual_seed(seed), as train.py's initial weights are:
+    the adapters a run starts from are the same whatever drew from the RNG before them (here, a
+    draw while the base is materialised)."""
+    pretrain(tmp_path, shakespeare)
+    started, add_lora, at_depth = [], lora.add_lora, lora.at_depth
+
+    def spy(model, *args):
+        add_lora(model, *args)
+        started.append({k: v.clone() for k, v in lora.lora_state_dict(model).items()})
+        return model
+    monkeypatch.setattr(lora, "add_lora", spy)
+    args = [*SHORT, f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", f"--input_file={shakespeare}",
+            f"--data_root={tmp_path / 'data'}"]
+    finetune.main([*args, f"--out_dir={tmp_path / 'a'}"])
+
+    def drawing_first(*args):
+        torch.rand(5)  # any draw before the adapters'
+        return at_depth(*args)
+    monkeypatch.setattr(lora, "at_depth", drawing_first)
+    finetune.main([*args, f"--out_dir={tmp_path / 'b'}"])
+    (a, b) = started
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_from_a_relative_base_path_resumes_from_another_directory(tmp_path, shakespeare,
+                                                                        monkeypatch):
+    """--init_from=pre/ckpt.pt, relative to where the run started: the run records its base by its
+    absolute path, so that --init_from=resume from another directory finds and checks it."""
+    pretrain(tmp_path, shakespeare)
+    args = [*SHORT, f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}",
+            f"--out_dir={tmp_path / 'ft'}"]
+    monkeypatch.chdir(tmp_path)
+    finetune.main([*args, "--init_from=pre/ckpt.pt", "--stop_at=1"])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    finetune.main([*args, "--init_from=resume"])
+    results = json.load(open(tmp_path / "ft" / "results.json"))
+    assert results["base_checkpoint"] == str(tmp_path / "pre" / "ckpt.pt") and results["iters"] == 2
 
 
 @pytest.mark.parametrize("lora", [True, False])

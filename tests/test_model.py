@@ -264,6 +264,22 @@ def test_attention_probability_dropout_only_in_the_baselines(monkeypatch, model_
     assert set(seen) == {expected}
 
 
+@pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
+def test_dropout_acts_in_training_only(model_type):
+    """A model with dropout 0.1 (config/llama1b.py, owt_gpt_small.py) in eval mode gives the logits
+    of the same weights with dropout 0, every time: validation and samples are not noisy. In
+    training mode the same model's logits vary from call to call: the dropout is really there."""
+    model = randomized(tiny(model_type=model_type, dropout=0.1))
+    exact = randomized(tiny(model_type=model_type, dropout=0.0)).eval()
+    idx = tokens()
+    want, _ = exact(idx)
+    model.eval()
+    for _ in range(2):
+        assert torch.equal(model(idx)[0], want)
+    model.train()
+    assert not torch.allclose(model(idx)[0], model(idx)[0])
+
+
 def test_zero_offsets_and_the_reference_time_scale_change_nothing():
     model = randomized(tiny()).train()
     same = randomized(tiny(time_scale=1000.0)).train()

@@ -71,6 +71,24 @@ def test_same_source_is_reused_and_a_changed_file_is_prepared_again(tmp_path, ca
     assert "reusing" not in capsys.readouterr().out
 
 
+def test_a_same_size_edit_of_the_text_is_prepared_again(tmp_path, capsys):
+    """An edit that keeps a file's size (a word swapped for another as long) still prepares the
+    text again, the training file's as the validation file's: the prepared data's source names
+    each file's mtime, not only its path and size."""
+    path, val = write(tmp_path / "a.txt", TEXT), write(tmp_path / "v.txt", "validation")
+    data_dir = prepare("mytext", "byte", input_file=path, val_file=val, data_root=str(tmp_path))
+    capsys.readouterr()
+    for edited, text, split in ((path, TEXT.replace("First", "Third"), "train"),
+                                (val, "VALIDATION", "val")):
+        stat = os.stat(edited)
+        write(tmp_path / os.path.basename(edited), text)
+        os.utime(edited, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10 ** 9))  # a coarse clock too
+        assert os.path.getsize(edited) == stat.st_size
+        prepare("mytext", "byte", input_file=path, val_file=val, data_root=str(tmp_path))
+        assert "reusing" not in capsys.readouterr().out
+        assert decoded(get_tokenizer("byte"), data_dir, split).startswith(text[:10]), split
+
+
 def test_missing_files_are_clear_errors(tmp_path):
     with pytest.raises(UserError, match="input file .*nope.txt does not exist"):
         prepare("mytext", "byte", input_file=str(tmp_path / "nope.txt"), data_root=str(tmp_path))

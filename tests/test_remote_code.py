@@ -48,6 +48,31 @@ def test_remote_code_gives_the_projects_logits_and_greedy_tokens(kind, saved, ex
     assert torch.equal(greedy, sample.generate(ours, idx, n, temperature=0))
 
 
+@pytest.mark.parametrize("kind", ["diffeq", "gpt"])
+def test_a_gpt_flavour_input_past_the_context_gives_the_last_positions_logits(
+        kind, saved, exported):  # noqa: F811
+    """A GPT-flavour model has block_size learned positions: an input longer than that gives the
+    logits of its last block_size tokens read as a window (what sample.py recomputes), or is
+    refused in one line; never the logits of its first block_size tokens. Keep this test when
+    remote/modeling_diffeqformer.py is rewritten (issue 37)."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    block = TINY["block_size"]
+    idx = torch.randint(0, TINY["vocab_size"], (2, block + 5),
+                        generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        try:
+            logits = auto(exported[kind])(idx).logits
+        except ValueError as e:
+            assert "\n" not in str(e)
+            return
+        window, _ = ours(idx[:, -block:])
+        first, _ = ours(idx[:, :block])
+    assert not torch.allclose(logits[:, -1], first[:, -1])
+    torch.testing.assert_close(logits[:, -1], window[:, -1], rtol=0, atol=0)
+    if logits.size(1) == block:  # the window's every position
+        torch.testing.assert_close(logits, window, rtol=0, atol=0)
+
+
 def test_an_ode_loads_at_another_depth_and_solver(saved, exported):  # noqa: F811
     ours, _ = checkpoints.load_model(saved["diffeq"])
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))

@@ -258,6 +258,20 @@ def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys)
         run_sample(capsys, save_model(tmp_path / "m.pt", byte_model("materialized")), "--solver=rk4")
 
 
+def test_top_k_0_samples_among_every_token(tmp_path, capsys):
+    """--top_k=0 (the documented "0: all of them") at a temperature above 0 draws what top_k equal
+    to the whole byte vocabulary draws from the same seed (not an IndexError), and not what
+    --top_k=1, the greedy choice, gives."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+
+    def text(top_k):
+        sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=2", "--temperature=1",
+                     f"--top_k={top_k}", "--start=ab", "--max_new_tokens=8"])
+        return capsys.readouterr().out
+    everything = text(0)
+    assert everything == text(256) and everything != text(1)
+
+
 def test_prompt_from_a_file(tmp_path, capsys):
     model = byte_model()
     (tmp_path / "prompt.txt").write_text("ba")

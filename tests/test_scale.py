@@ -307,6 +307,19 @@ def test_the_plan_names_every_term_and_fits_llama1b_on_8_gpus(capsys):
     assert any("unsharded fp32 gradients kept while gradient sync is off" in k and v > 20 * 2 ** 30 for k, v in old.items())
 
 
+def test_an_any_depth_plan_is_the_plan_of_its_deepest_draw():
+    """--train_steps=2-12 draws up to 12 steps in an iteration: the memory plan (activations and
+    generated weights grow with the steps) is that of 12 steps, not of 2, or a run that does not
+    fit is planned as fitting."""
+    mcfg = ModelConfig(n_layer=6, n_embd=64, n_head=2, vocab_size=256, block_size=64, d_t=4,
+                       time_freqs=4)
+
+    def plan(train_steps):
+        return memory.dry_run(mcfg, train.TrainConfig(train_steps=train_steps), 1, verbose=False)
+    assert plan("2-12") == plan("12")
+    assert sum(plan("12").values()) > sum(plan("2").values())
+
+
 # -- bytes moved by collectives ----------------------------------------------------------------------------
 
 def comm_worker(rank, world, store, out, parallel):

@@ -96,6 +96,60 @@ def test_configurator_errors_are_one_clear_line(argv, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_spaced_bool_value_is_read_in_any_case():
+    """`--compile False`, as a user types it, is False: the value after a bool flag is read in any
+    case, as `--compile=False` is (a capitalised False must not turn the flag on)."""
+    for word, value in (("False", False), ("OFF", False), ("No", False), ("TRUE", True),
+                        ("On", True)):
+        opts, given = parse_config(["--lora", word, "--steps", "4"], Opts)
+        assert (opts.lora, opts.steps, given) == (value, 4, {"lora", "steps"}), word
+
+
+def test_a_bool_is_not_a_number(tmp_path):
+    """Python's True is an int, so `learning_rate = True` in a config file would train at 1.0: a
+    bool is refused where a number is expected, as on the command line."""
+    for line, message in (("lr = True", "--lr expects float, got True"),
+                          ("steps = False", "--steps expects int, got False")):
+        (tmp_path / "c.py").write_text(line + "\n")
+        with pytest.raises(ConfigError, match=message):
+            parse_config([str(tmp_path / "c.py")], Opts)
+    with pytest.raises(ConfigError, match="--lr expects float, got 'True'"):
+        parse_config(["--lr=True"], Opts)
+
+
+def test_the_maximum_step_count_is_accepted_wherever_steps_are_given():
+    """model.MAX_STEPS (1024) is the most steps an ODE takes: every place that takes a step count
+    (--train_steps as a number or a range, --n_layer, sample.py's and finetune.py's --steps,
+    experiments/depth.py's --steps, the forward pass) accepts it and refuses one more."""
+    import finetune
+    import sample
+    from experiments import depth
+    from model import MAX_STEPS
+    assert MAX_STEPS == 1024
+    model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=8, n_head=1, vocab_size=8, block_size=4,
+                                     d_t=2, time_freqs=2))
+    for n, fine in ((MAX_STEPS, True), (MAX_STEPS + 1, False)):
+        places = [(["--train_steps", str(n)], ModelConfig, train.TrainConfig),
+                  (["--train_steps", f"3-{n}"], ModelConfig, train.TrainConfig),
+                  (["--n_layer", str(n)], ModelConfig, train.TrainConfig),
+                  (["--steps", str(n)], sample.SampleConfig),
+                  (["--steps", str(n)], finetune.FinetuneConfig),
+                  (["--steps", f"3,{n}"], depth.DepthConfig)]
+        for argv, *classes in places:
+            if fine:
+                parse_config(argv, *classes)
+            else:
+                with pytest.raises(ConfigError, match=str(MAX_STEPS)):
+                    parse_config(argv, *classes)
+        if fine:
+            assert model.check_steps(n, "rk4") == (n, "rk4")
+            drawn, _ = train.iteration_steps(0, train.TrainConfig(train_steps=str(n)), model.cfg)
+            assert drawn == n
+        else:
+            with pytest.raises(ValueError, match=f"in 1..{MAX_STEPS}"):
+                model.check_steps(n, "rk4")
+
+
 def test_configurator_rejects_unknown_keys_in_files(tmp_path):
     (tmp_path / "c.py").write_text("lerning_rate = 1\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'lerning_rate' in .*c.py"):
@@ -168,6 +222,21 @@ def test_resume_continues_exactly(tmp_path, shakespeare, capsys):
     assert sorted(resumed) == list(range(10))
     for it in range(5, 10):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
+
+
+def test_the_checkpoint_keeps_the_best_validation_loss_when_it_rises(tmp_path, shakespeare,
+                                                                    monkeypatch):
+    """ckpt.pt's best_val_loss (export's "best of its run" in config.json and the model card) is the
+    lowest validation loss of the run, not the last, when validation rises; a resumed run goes on
+    from it. The evaluations are scripted: 3.0, 2.0, 2.5, then 2.75 after the resume."""
+    scripted = iter([3.0, 2.0, 2.5, 2.75])
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: dict(train=1.0, val=next(scripted)))
+    shared = [f"--input_file={shakespeare}", "--max_iters=3", "--eval_interval=1"]
+    rows = run(tmp_path, *shared, "--stop_at=2")
+    assert [r["val_loss"] for r in rows if "val_loss" in r] == [3.0, 2.0, 2.5]
+    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["best_val_loss"] == 2.0
+    run(tmp_path, *shared, "--init_from=resume")
+    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["best_val_loss"] == 2.0
 
 
 def test_compiled_run_checkpoint_loads_into_plain_model(tmp_path, shakespeare):
@@ -301,6 +370,36 @@ def test_batches_go_to_the_device_of_the_run():
     tokens = np.arange(1000, dtype=np.uint16)
     x, y = common.Batches(tokens, 8, 2, torch.device("meta"), 0, 0).get(0, 0)
     assert x.device.type == y.device.type == "meta" and x.shape == (2, 8)
+
+
+def test_dropout_masks_change_from_iteration_to_iteration_and_repeat_for_the_same_one(monkeypatch):
+    """train_step seeds dropout by (seed, iteration, rank): the masks F.dropout draws differ from
+    one iteration to the next (the same masks every step would train one fixed sub-network) and
+    are the same again for the same iteration (a resumed run repeats them). The same batch each
+    time and no update (lr 0): only the iteration changes."""
+    masks = []
+    real = torch.nn.functional.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        y = real(x, p, training, inplace)
+        masks.append((y == 0) & (x != 0))  # the entries this call dropped
+        return y
+    monkeypatch.setattr(torch.nn.functional, "dropout", recording)
+    model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8,
+                                     d_t=4, time_freqs=4, dropout=0.5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    batches = types.SimpleNamespace(get=lambda it, micro: (x, x))
+
+    def masks_at(it):
+        masks.clear()
+        train.train_step(model, optimizer, batches, it, train.TrainConfig(),
+                         common.Env(torch.device("cpu"), torch.float32))
+        return torch.cat([m.flatten() for m in masks])
+    first = masks_at(1)
+    assert 0.3 < first.float().mean() < 0.7  # dropout 0.5 really drops
+    assert not torch.equal(masks_at(2), first)
+    assert torch.equal(masks_at(1), first)
 
 
 # -- float16 with loss scaling (torch.amp.GradScaler), on the CPU: CUDA's path, with CPU kernels ---
