@@ -57,10 +57,18 @@ class Env:
             print(*args, **kwargs, flush=True)
 
 
+def check_device(device):
+    """A --device this project runs on, or one ConfigError that lists them (torch's own error, a
+    traceback, lists twenty kinds of device, most of which no script here supports)."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
+        raise ConfigError(f"device={device!r}: use auto, cpu, cuda, cuda:N (the N-th GPU) or mps")
+
+
 def setup(device="auto", dtype="auto", seed=1337):
     """Pick device and dtype, join the process group when torchrun started this process (NCCL on
     CUDA, gloo on CPU; torchrun sets WORLD_SIZE, RANK and LOCAL_RANK), and seed the RNG, the same
     on every rank so that every rank initialises the same model."""
+    check_device(device)
     mps = torch.backends.mps.is_available()  # Apple silicon's GPU
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"

@@ -252,6 +252,20 @@ def test_a_device_that_is_not_there_is_one_line(gpus):
         common.setup("cpu", "float8")
 
 
+@pytest.mark.parametrize("script,argv", [("train", []), ("sample", []), ("finetune", []),
+                                         ("experiments.bench", []), ("experiments.depth", []),
+                                         ("experiments.eval", ["--tasks=x"])])
+def test_a_device_torch_has_no_backend_for_here_is_one_line_in_every_script(script, argv):
+    """--device=tpu reached torch.device, whose error (a traceback) lists twenty kinds of device."""
+    if script == "experiments.eval":
+        pytest.importorskip("lm_eval")
+    main = importlib.import_module(script).main
+    for device in ("tpu", "cuda:x"):
+        with pytest.raises(ConfigError, match=rf"^device='{device}': use auto, cpu, cuda, cuda:N "
+                                              rf"\(the N-th GPU\) or mps$"):
+            main([f"--device={device}", *argv])
+
+
 @pytest.mark.parametrize("cuda,mps,message", [
     (True, False, "^torchrun on CUDA GPUs needs NCCL, which this torch lacks"),  # Windows' torch
     (False, True, "^torchrun runs on CUDA GPUs \\(NCCL\\) or CPUs \\(gloo\\), not on MPS"),
