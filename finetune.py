@@ -88,6 +88,9 @@ def check_options(mcfg, fcfg, cfg, given):
                               f"the adapters file, and trains nothing: it would ignore "
                               f"{', '.join('--' + k for k in ignored)}; leave them out")
         return cfg
+    if fcfg.merge_base:
+        raise ConfigError("--merge_base names the base checkpoint of the adapters that --merge "
+                          "folds in: give --merge=ADAPTERS too, or leave --merge_base out")
     if cfg.init_from == "scratch":
         raise ConfigError("finetune.py starts from a checkpoint: --init_from=PATH (or resume, to "
                           "continue a fine-tuning run)")

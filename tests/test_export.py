@@ -114,13 +114,23 @@ def test_every_script_loads_a_folder(saved, tmp_path, capsys):
 
 
 def test_adapters_on_a_folder_base_check_its_hash(tmp_path, saved):
-    """A folder base is hashed by its files' names and bytes: changed weights are refused."""
-    export.export(saved["diffeq"], str(tmp_path / "base"))
-    before = checkpoints.file_hash(str(tmp_path / "base"))
-    checkpoints.check_base(str(tmp_path / "base"), before)
-    export.export(saved["shared"], str(tmp_path / "base"))
+    """A folder base is hashed by its config's and weights' names and bytes: changed weights are
+    refused; an edited model card is not a changed model (it blocked the merge)."""
+    base = str(tmp_path / "base")
+    export.export(saved["diffeq"], base)
+    before = checkpoints.file_hash(base)
+    with open(tmp_path / "base" / "README.md", "a") as f:
+        f.write("One more line of the model card.\n")
+    checkpoints.check_base(base, before)
+    checkpoints.check_base(base, before, merge_base=True)
+    export.export(saved["shared"], base)
     with pytest.raises(UserError, match="has changed"):
-        checkpoints.check_base(str(tmp_path / "base"), before)
+        checkpoints.check_base(base, before)
+    for path, why in ((base, "is not the base checkpoint the adapters were trained on"),
+                      (str(tmp_path / "gone"), "does not exist")):
+        with pytest.raises(UserError) as e:  # named by --merge_base: not told to name it so
+            checkpoints.check_base(path, before, merge_base=True)
+        assert str(e.value).startswith(f"--merge_base={path} {why}") and "PATH" not in str(e.value)
 
 
 def test_a_folder_with_broken_weights_is_one_line(saved, tmp_path):

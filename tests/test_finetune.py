@@ -241,6 +241,7 @@ def test_merge_refuses_a_checkpoint_without_adapters_and_the_settings_it_would_i
     (["--d_t=4"], "--d_t: the model's shape comes from the checkpoint; fine-tuning may set only --dropout, --checkpoint"),
     (["--init_from=scratch"], "finetune.py starts from a checkpoint"),
     (["--parallel=fsdp"], "finetune.py runs under DDP"),
+    (["--merge_base=base.pt"], "--merge_base names the base checkpoint of the adapters that --merge folds in"),
 ])
 def test_options_fine_tuning_cannot_take_are_one_clear_error(argv, message):
     with pytest.raises(UserError, match=message):
