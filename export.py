@@ -31,6 +31,7 @@ import shutil
 from dataclasses import dataclass
 
 import checkpoints
+import common
 import hf
 from configurator import UserError, make_dir, parse_config, run_main
 
@@ -157,13 +158,19 @@ def export(path, out, fmt="diffeqformer"):
     if fmt == "hf":
         hf_model = hf.to_transformers(model, tokenizer)  # refused before the folder is made
     make_dir(out, "out")
-    if fmt == "hf":
-        hf_model.save_pretrained(out)
-        hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
-    else:
-        save_folder(model, tokenizer, out, facts)
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(model_card(model, tokenizer, facts, path, fmt))
+    # a training run's folder (common.lock's .lock): refused while the run goes on, held meanwhile
+    held = common.lock(out, "out") if os.path.exists(os.path.join(out, ".lock")) else None
+    try:
+        if fmt == "hf":
+            hf_model.save_pretrained(out)
+            hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
+        else:
+            save_folder(model, tokenizer, out, facts)
+        with open(os.path.join(out, "README.md"), "w") as f:
+            f.write(model_card(model, tokenizer, facts, path, fmt))
+    finally:
+        if held:
+            held.release()
     return model
 
 

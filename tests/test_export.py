@@ -4,6 +4,7 @@ give transformers' logits; GPT-2 weights come in through transformers (from a GP
 here with random weights, as OpenAI's would come from the Hub); offline, a Hub name is one line."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -131,6 +132,30 @@ def test_adapters_on_a_folder_base_check_its_hash(tmp_path, saved):
         with pytest.raises(UserError) as e:  # named by --merge_base: not told to name it so
             checkpoints.check_base(path, before, merge_base=True)
         assert str(e.value).startswith(f"--merge_base={path} {why}") and "PATH" not in str(e.value)
+
+
+def test_an_export_into_the_folder_of_a_run_that_goes_on_is_refused(saved, tmp_path, monkeypatch):
+    """export.py wrote into a folder that a training run held (its lock, common.lock); it now waits
+    its turn, and holds the lock while it writes."""
+    out = str(tmp_path / "run")
+    held = common.lock(out)
+    try:
+        with pytest.raises(UserError, match=f"^{re.escape(out)} is in use by a run that is still going "
+                                            rf"\(pid {os.getpid()}\); wait for it to finish or choose another --out$"):
+            export.export(saved["gpt"], out)
+    finally:
+        held.release()
+    assert sorted(os.listdir(out)) == [".lock", ".lock.pid"]
+    real = export.save_folder
+
+    def while_writing(model, tokenizer, folder, facts):
+        with pytest.raises(UserError, match="is in use"):  # a run that starts meanwhile is refused
+            common.lock(folder)
+        real(model, tokenizer, folder, facts)
+    monkeypatch.setattr(export, "save_folder", while_writing)
+    export.export(saved["gpt"], out)  # once the run has ended
+    assert "model.safetensors" in os.listdir(out)
+    common.lock(out).release()  # and let go of it after
 
 
 def test_a_folder_with_broken_weights_is_one_line(saved, tmp_path):
