@@ -134,6 +134,21 @@ def test_adapters_on_a_folder_base_check_its_hash(tmp_path, saved):
         assert str(e.value).startswith(f"--merge_base={path} {why}") and "PATH" not in str(e.value)
 
 
+@pytest.mark.parametrize("fmt", ["diffeqformer", "hf"])
+def test_every_file_of_the_folder_has_the_mode_the_umask_gives(saved, tmp_path, fmt):
+    """model.safetensors was written with mode 0600 (safetensors' own temporary file), the other
+    files 0644."""
+    if fmt == "hf":
+        pytest.importorskip("transformers")
+    umask = os.umask(0o027)
+    try:
+        export.export(saved["gpt"], str(tmp_path), fmt)
+    finally:
+        os.umask(umask)
+    modes = {name: oct(os.stat(tmp_path / name).st_mode & 0o777) for name in os.listdir(tmp_path)}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o640"}, modes
+
+
 def test_an_export_into_the_folder_of_a_run_that_goes_on_is_refused(saved, tmp_path, monkeypatch):
     """export.py wrote into a folder that a training run held (its lock, common.lock); it now waits
     its turn, and holds the lock while it writes."""
