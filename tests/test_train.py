@@ -161,6 +161,9 @@ def test_resume_continues_exactly(tmp_path, shakespeare, capsys):
     first = ["--dropout=0.1", "--init=reference"]  # not the default file's dropout=0.0, init="gpt"
     straight = losses(run(tmp_path, *shared, *first, out="a"))
     run(tmp_path, *shared, *first, "--stop_at=5", out="b")
+    with pytest.raises(ConfigError, match=r"^the run in .*b trains on --dataset=shakespeare: resuming "
+                                          r"it on other would switch its data mid-run; resume with"):
+        run(tmp_path, *shared, "--init_from=resume", "--dataset=other", out="b")  # it switched silently
     capsys.readouterr()
     # the checkpoint's dropout and shape, not the default config file's; --ffn_dim is ignored, and said
     resumed = losses(run(tmp_path, *shared, "--init_from=resume", "--ffn_dim=64", out="b"))
