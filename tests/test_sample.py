@@ -268,6 +268,8 @@ def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--init_from=nowhere/ckpt.pt"], "error: checkpoint nowhere/ckpt.pt does not exist (train one with `python train.py`"),
     (["--top_p=0"], "error: top_p=0.0 must be in (0, 1]"),
+    (["--max_new_tokens=1000000000"], "error: max_new_tokens=1000000000 must be at most 1,000,000: sample.py "
+                                      "holds every sample in memory"),  # accepted without a word
 ])
 def test_script_errors_are_one_line(args, message):
     done = subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True)
