@@ -238,6 +238,8 @@ def read_prompt(start):
     """The prompt text: `start` itself, or the contents of the file that FILE:path names."""
     if start.startswith("FILE:"):
         path = start[len("FILE:"):]
+        if os.path.isdir(path):
+            raise UserError(f"prompt file {path} is a folder: name a text file in it")
         if not os.path.isfile(path):
             raise UserError(f"prompt file {path} does not exist")
         try:

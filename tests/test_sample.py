@@ -240,6 +240,8 @@ def test_prompt_from_a_file(tmp_path, capsys):
     assert run_sample(capsys, path, f"--start=FILE:{tmp_path / 'prompt.txt'}", "--max_new_tokens=4") == expected(model, "ba", 4)
     with pytest.raises(UserError, match="prompt file .*nothing.txt does not exist"):
         run_sample(capsys, path, f"--start=FILE:{tmp_path / 'nothing.txt'}")
+    with pytest.raises(UserError, match=f"^prompt file {tmp_path} is a folder: name a text file in it$"):
+        run_sample(capsys, path, f"--start=FILE:{tmp_path}")  # it "did not exist"
 
 
 @pytest.mark.parametrize("tokenizer,vocab,start,message", [
