@@ -387,7 +387,8 @@ def main(argv):
         start = None if cfg.init_from in ("scratch", "resume") else checkpoints.load(cfg.init_from)
         if start and "tokenizer" not in given:  # its tokens, unless the user chose others
             cfg = dataclasses.replace(cfg, tokenizer=start.get("tokenizer", cfg.tokenizer))
-        prepare.get_tokenizer(cfg.tokenizer)  # offline and not cached: one line, before the data
+        # offline and not cached: one line, before the data (a new run may choose bytes instead)
+        prepare.get_tokenizer(cfg.tokenizer, choosable=cfg.init_from == "scratch")
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         data = common.prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data, start)

@@ -16,6 +16,7 @@ import torch
 
 import analyze
 import finetune
+import prepare
 import sample
 import train
 from configurator import run_main
@@ -53,14 +54,25 @@ def test_the_flagship_on_a_cpu_machine_is_refused_by_rank_0_before_any_download(
 
 
 def test_an_offline_tokenizer_is_one_line_before_any_data_work(tmp_path, capsys, monkeypatch):
-    import prepare
+    """Offline, a tiktoken encoding that is not cached: one line, which suggests bytes where the user
+    chooses the tokenizer (a new run), and not where a checkpoint needs this one (sample.py has no
+    --tokenizer: it was suggested there too)."""
+    import tiktoken
+    from test_sample import random_model, save_model
 
     def offline(name):
-        raise prepare.download_error("the gpt2 tokenizer", OSError("no network"), "set TIKTOKEN_CACHE_DIR")
-    monkeypatch.setattr(prepare, "get_tokenizer", offline)
+        raise OSError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
     line = one_line(train.main, tiny_and("--tokenizer=gpt2", f"--data_root={tmp_path / 'data'}",
                                          f"--out_dir={tmp_path / 'out'}"), capsys, monkeypatch)
-    assert line.startswith("error: could not download the gpt2 tokenizer") and not (tmp_path / "data").exists()
+    assert line == ("error: could not download the gpt2 tokenizer (OSError: no network); offline, set "
+                    "TIKTOKEN_CACHE_DIR to a folder holding its cached files, or use --tokenizer=byte")
+    assert not (tmp_path / "data").exists()
+    line = one_line(prepare.main, ["--tokenizer=gpt2", f"--data_root={tmp_path / 'data'}"], capsys, monkeypatch)
+    assert line.endswith("or use --tokenizer=byte")
+    path = save_model(tmp_path / "gpt2.pt", random_model(vocab_size=50304), tokenizer="gpt2")
+    line = one_line(sample.main, [f"--init_from={path}"], capsys, monkeypatch)
+    assert line.endswith("holding its cached files (the model was trained on gpt2 tokens)"), line
 
 
 def test_ctrl_c_saves_the_iteration_and_resuming_continues_exactly(tmp_path, shakespeare):
