@@ -36,11 +36,12 @@ GPT2_HUB_IDS = {name: f"openai-community/{name}" for name in
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
-def save(obj, path):
+def save(obj, path, resumable=False):
     """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file,
-    and a full disk or a read-only folder is one UserError that leaves the file before intact."""
+    and a full disk or a read-only folder is one UserError that leaves the file before intact (a
+    run's checkpoint, `resumable`, which --init_from=resume continues)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp, existed = f"{path}.tmp{os.getpid()}", os.path.exists(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -53,9 +54,10 @@ def save(obj, path):
             raise
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise UserError(f"could not write {path}: {cause.strerror or cause}; what was there "
-                        f"before is intact (a run resumes from it with --init_from=resume)"
-                        ) from None
+        kept = "what was there before is intact" + (" (a run resumes from it with "
+                                                     "--init_from=resume)") * resumable
+        raise UserError(f"could not write {path}: {cause.strerror or cause}; "
+                        f"{kept if existed else 'nothing was written'}") from None
 
 
 # -- reading ---------------------------------------------------------------------------------------

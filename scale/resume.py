@@ -117,7 +117,8 @@ def save_run(model, optimizer, state, cfg, env, extra):
                      state["iter_num"], env.master)
     elif env.master:
         checkpoints.save({**meta, "model": parallel.unwrap(model).state_dict(),
-                     "optimizer": optimizer.state_dict()}, os.path.join(cfg.out_dir, "ckpt.pt"))
+                          "optimizer": optimizer.state_dict()}, os.path.join(cfg.out_dir, "ckpt.pt"),
+                         resumable=True)
 
 
 def load_run(cfg, env, kind=checkpoints.MODEL):
