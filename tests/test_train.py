@@ -79,6 +79,25 @@ def test_help_lists_every_key_with_its_default_and_comment(capsys):
     assert "--d_t=20 (int)  time-embedding dimension" in out and "--max_iters=2000 (int)" in out
 
 
+@pytest.mark.parametrize("script,shown", [
+    ("train", ["--max_iters=1000 (int, config/shakespeare.py; else 2000)",
+               "--learning_rate=0.002 (float, config/shakespeare.py; else 0.0006)", "--out_dir='out' (str)"]),
+    ("finetune", ["--init_from='out/ckpt.pt' (str, config/finetune_wikitext2.py; else 'scratch')",
+                  "--out_dir='out-finetune' (str, config/finetune_wikitext2.py; else 'out')",
+                  "--dataset='wikitext2_test' (str, config/finetune_wikitext2.py; else 'shakespeare')"]),
+])
+def test_help_shows_the_defaults_a_plain_run_uses(script, shown, capsys):
+    """They were the dataclasses' (max_iters 2000, learning_rate 6e-4; finetune: init_from 'scratch')."""
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(script).main(["--help"])
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert exit_info.value.code == 0 and all(any(line.startswith(s) for line in lines) for s in shown), lines
+    assert lines[1].startswith(f"defaults: what this command runs with, the values of config/")
+    with pytest.raises(SystemExit):  # a config file named: its values, and the fields' own beside
+        importlib.import_module(script).main(["config/wikitext2.py", "--help"])
+    assert "  --max_iters=1000 (int, config/wikitext2.py; else 2000)\n" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--steps=9.5"], "--steps expects int, got '9.5'"),
     (["--lora=maybe"], "--lora expects bool"),
