@@ -128,7 +128,11 @@ def on_master(env, fn, what):
 
 
 def teardown():
-    if dist.is_initialized():
+    """Leave the process group at the end of a run. Not while an error goes up to run_main, which
+    prints it and exits: a gloo peer that destroys its group, or exits, before the other ranks can
+    make them abort (SIGABRT, "Connection closed by peer"), and torchrun then stops rank 0 before it
+    has said why (configurator.run_main: rank 0 exits first, the others wait)."""
+    if dist.is_initialized() and sys.exc_info()[0] is None:
         dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import sys
+import time
 import types
 import typing
 
@@ -264,4 +265,16 @@ def run_main(main):
     except UserError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
             print(f"{'' if isinstance(e, Interrupted) else 'error: '}{e}", file=sys.stderr)
+        elif "WORLD_SIZE" in os.environ:
+            outlive_rank_0()
         sys.exit(e.exit_code)
+
+
+def outlive_rank_0(seconds=60):
+    """Under torchrun, a rank that leaves an error every rank has to rank 0 waits until torchrun
+    stops it, which torchrun does once a rank has exited: rank 0, having said why, so that its
+    status is the failure torchrun reports (a rank that exited first would have rank 0 stopped,
+    perhaps before it printed). At most `seconds`, and not past torchrun's own end."""
+    parent, deadline = os.getppid(), time.monotonic() + seconds
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
