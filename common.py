@@ -183,10 +183,10 @@ class Batches:
 # -- the run: its lock on out_dir, and Ctrl-C ------------------------------------------------------
 
 def lock(out_dir, flag="out_dir"):
-    """Claim out_dir (which --{flag} names) for this run: a lock on out_dir/.lock through filelock (flock on Linux and
-    macOS, msvcrt on Windows), held until release() or the end of the process, so that a killed run
-    leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a run that is refused.
-    Then remove the temporary files that a killed run left behind."""
+    """Claim out_dir (which --{flag} names) for this run: a lock on out_dir/.lock through filelock
+    (flock on Linux and macOS, msvcrt on Windows), held until release() or the end of the process,
+    so that a killed run leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a
+    run that is refused. Then remove the temporary files that a killed run left behind."""
     make_dir(out_dir, flag)
     held = filelock.FileLock(os.path.join(out_dir, ".lock"), timeout=0)  # 0: one try, no waiting
     pid_file = os.path.join(out_dir, ".lock.pid")

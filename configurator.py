@@ -158,8 +158,8 @@ def field_comments(cls):
 
 def usage(classes, values=None, note=""):
     """`--help`: every key with its type, default and the comment beside its field. The default is
-    the one the run would use: from `values` ({key: (value, where)}, the script's defaults and config
-    files) where they set it, with the field's own after "else" where it differs."""
+    the one the run would use: from `values` ({key: (value, where)}, the script's defaults and
+    config files) where they set it, with the field's own after "else" where it differs."""
     values = values or {}
     lines = ["usage: python SCRIPT.py [config/FILE.py ...] "
              "[--key=value | --key value | --flag | --no-flag ...]"] + [note] * bool(note)
@@ -175,7 +175,8 @@ def usage(classes, values=None, note=""):
                 value, where = values[f.name]
                 value = coerce(f.name, value, f.type)
                 if value != default:
-                    shown = f"{value!r} ({type_name}, {where.removeprefix('in ')}; else {default!r})"
+                    where = where.removeprefix("in ")
+                    shown = f"{value!r} ({type_name}, {where}; else {default!r})"
             lines.append(f"  --{f.name}={shown}" + comment)
     return "\n".join(lines)
 

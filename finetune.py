@@ -84,8 +84,8 @@ def check_options(mcfg, fcfg, cfg, given):
     if fcfg.merge:  # refused rather than ignored: a user who gives --steps expects it to count
         ignored = sorted(given - {"merge", "merge_base"})
         if ignored:
-            raise ConfigError(f"--merge folds adapters into their base with the settings recorded in "
-                              f"the adapters file, and trains nothing: it would ignore "
+            raise ConfigError(f"--merge folds adapters into their base with the settings "
+                              f"recorded in the adapters file, and trains nothing: it would ignore "
                               f"{', '.join('--' + k for k in ignored)}; leave them out")
         return cfg
     if fcfg.merge_base:

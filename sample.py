@@ -58,8 +58,9 @@ class SampleConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}")
         if self.max_new_tokens > MAX_NEW_TOKENS:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at most "
-                             f"{MAX_NEW_TOKENS:,}: sample.py holds every sample in memory and prints "
-                             f"it at the end, and a million tokens take over an hour on a 2-core CPU")
+                             f"{MAX_NEW_TOKENS:,}: sample.py holds every sample in memory and "
+                             f"prints it at the end, and a million tokens take over an hour on a "
+                             f"2-core CPU")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be at least 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:

@@ -70,7 +70,8 @@ class CheckConfig:
 
     def __post_init__(self):
         if self.budget_s <= 0:  # else every part is skipped, and the check says nothing of the GPU
-            raise ValueError(f"budget_s={self.budget_s:g} must be positive: the seconds the check may take")
+            raise ValueError(f"budget_s={self.budget_s:g} must be positive: the seconds the check "
+                             f"may take")
 
 
 class Clock:

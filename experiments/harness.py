@@ -32,13 +32,14 @@ def check(args, argv):
     """What lm-eval's `run` would fail on with a traceback, or after loading the model: one line."""
     if args.model != eval.LM_NAME:  # lm-eval's default is hf, which it does not import here
         raise ConfigError(f"--model {args.model or 'hf (the default)'}: experiments.harness runs "
-                          f"this project's checkpoints, --model {eval.LM_NAME} --model_args init_from=CKPT; an "
-                          f"exported folder runs in lm-eval's own command: python -m lm_eval "
+                          f"this project's checkpoints, --model {eval.LM_NAME} --model_args "
+                          f"init_from=CKPT; an exported folder runs in lm-eval's own command: "
+                          f"python -m lm_eval "
                           f"--model hf --model_args pretrained=DIR,trust_remote_code=True "
                           f"(docs/export.md)")
     if args.limit is not None and args.limit <= 0:
-        raise ConfigError(f"--limit {args.limit:g}: give the documents per task (a fraction of them "
-                          f"if below 1), or leave --limit out for all of them")
+        raise ConfigError(f"--limit {args.limit:g}: give the documents per task (a fraction of "
+                          f"them if below 1), or leave --limit out for all of them")
     eval.check_include_path(args.include_path)
     if not any(a == "--device" or a.startswith("--device=") for a in argv):
         args.device = "auto"  # lm-eval's default is cuda:0; this project's, as every script's

@@ -116,9 +116,9 @@ def save_run(model, optimizer, state, cfg, env, extra):
         save_sharded(model, optimizer, meta, os.path.join(cfg.out_dir, "ckpt_sharded"),
                      state["iter_num"], env.master)
     elif env.master:
-        checkpoints.save({**meta, "model": parallel.unwrap(model).state_dict(),
-                          "optimizer": optimizer.state_dict()}, os.path.join(cfg.out_dir, "ckpt.pt"),
-                         resumable=True)
+        ckpt = {**meta, "model": parallel.unwrap(model).state_dict(),
+                "optimizer": optimizer.state_dict()}
+        checkpoints.save(ckpt, os.path.join(cfg.out_dir, "ckpt.pt"), resumable=True)
 
 
 def load_run(cfg, env, kind=checkpoints.MODEL):
