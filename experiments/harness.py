@@ -34,9 +34,8 @@ def check(args, argv):
         raise ConfigError(f"--model {args.model or 'hf (the default)'}: experiments.harness runs "
                           f"this project's checkpoints, --model {eval.LM_NAME} --model_args "
                           f"init_from=CKPT; an exported folder runs in lm-eval's own command: "
-                          f"python -m lm_eval "
-                          f"--model hf --model_args pretrained=DIR,trust_remote_code=True "
-                          f"(docs/export.md)")
+                          f"python -m lm_eval --model hf --model_args "
+                          f"pretrained=DIR,trust_remote_code=True (docs/export.md)")
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"--limit {args.limit:g}: give the documents per task (a fraction of "
                           f"them if below 1), or leave --limit out for all of them")
