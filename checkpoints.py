@@ -36,11 +36,12 @@ GPT2_HUB_IDS = {name: f"openai-community/{name}" for name in
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
-def save(obj, path):
+def save(obj, path, resumable=False):
     """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file,
-    and a full disk or a read-only folder is one UserError that leaves the file before intact."""
+    and a full disk or a read-only folder is one UserError that leaves the file before intact (a
+    run's checkpoint, `resumable`, which --init_from=resume continues)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp, existed = f"{path}.tmp{os.getpid()}", os.path.exists(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -53,9 +54,10 @@ def save(obj, path):
             raise
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise UserError(f"could not write {path}: {cause.strerror or cause}; what was there "
-                        f"before is intact (a run resumes from it with --init_from=resume)"
-                        ) from None
+        kept = "what was there before is intact" + (" (a run resumes from it with "
+                                                     "--init_from=resume)") * resumable
+        raise UserError(f"could not write {path}: {cause.strerror or cause}; "
+                        f"{kept if existed else 'nothing was written'}") from None
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -159,11 +161,13 @@ def clean_state_dict(state_dict):
 
 
 def file_hash(path):
-    """sha256 of a file's bytes, or of a folder's files' names and bytes: what an adapters file
-    records of its base checkpoint."""
+    """sha256 of a checkpoint file's bytes, or of what makes a model folder's model: the names and
+    bytes of its config.json and weight files (*.safetensors, *.bin). What an adapters file records
+    of its base checkpoint; a folder's model card, tokenizer or code may change beside it."""
     digest = hashlib.sha256()
     files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+        os.path.join(path, name) for name in os.listdir(path)
+        if name == "config.json" or name.endswith((".safetensors", ".bin")))
     for name in files:
         if name != path:  # a folder's file: its name too (a file alone: its bytes, as ever)
             digest.update(os.path.relpath(name, path).encode())
@@ -173,16 +177,24 @@ def file_hash(path):
     return digest.hexdigest()
 
 
-def check_base(path, sha256):
-    """Refuse a base checkpoint that is not the file the adapters (or a run) were trained on."""
-    if not os.path.exists(path):  # a checkpoint file, or a folder (exported, or from the Hub)
+def check_base(path, sha256, merge_base=False):
+    """Refuse a base checkpoint that is not the one the adapters (or a run) were trained on: the
+    one they name, or the one that --merge_base names (merge_base=True)."""
+    exists = os.path.exists(path)  # a checkpoint file, or a folder (exported, or from the Hub)
+    if exists and file_hash(path) == sha256:
+        return
+    if merge_base:
+        why = "does not exist" if not exists else ("is not the base checkpoint the adapters were "
+                                                   "trained on (its sha256 is not the one they "
+                                                   "record)")
+        raise UserError(f"--merge_base={path} {why}; name the checkpoint they were trained on")
+    if not exists:
         raise UserError(f"the base checkpoint {path} does not exist: the adapters were trained on "
                         f"it; if it moved, name it with --merge_base=PATH")
-    if file_hash(path) != sha256:
-        raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run "
-                        f"started (its sha256 no longer matches): adapters on it would be folded "
-                        f"into the wrong weights; keep the original base at that path, or name it "
-                        f"with --merge_base=PATH when merging")
+    raise UserError(f"the base checkpoint {path} has changed since this fine-tuning run started "
+                    f"(its sha256 no longer matches): adapters on it would be folded into the "
+                    f"wrong weights; keep the original base at that path, or name it with "
+                    f"--merge_base=PATH when merging")
 
 
 # -- the one loader --------------------------------------------------------------------------------
@@ -226,7 +238,7 @@ def load_model(path, merge_base=None, kind=(MODEL, ADAPTERS), **overrides):
         raise UserError(f"{path} is an incomplete adapters file (it has no {missing[0]!r}); "
                         f"fine-tune again")
     base_path = merge_base or ckpt["base_checkpoint"]
-    check_base(base_path, ckpt["base_sha256"])
+    check_base(base_path, ckpt["base_sha256"], merge_base=bool(merge_base))
     base = load(base_path)
     model = lora.at_depth(model_from(base, base_path, **overrides), ckpt["steps"], base_path)
     lora.add_lora(model, ckpt["rank"], ckpt["alpha"], targets=ckpt["targets"])

@@ -57,10 +57,18 @@ class Env:
             print(*args, **kwargs, flush=True)
 
 
+def check_device(device):
+    """A --device this project runs on, or one ConfigError that lists them (torch's own error, a
+    traceback, lists twenty kinds of device, most of which no script here supports)."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
+        raise ConfigError(f"device={device!r}: use auto, cpu, cuda, cuda:N (the N-th GPU) or mps")
+
+
 def setup(device="auto", dtype="auto", seed=1337):
     """Pick device and dtype, join the process group when torchrun started this process (NCCL on
     CUDA, gloo on CPU; torchrun sets WORLD_SIZE, RANK and LOCAL_RANK), and seed the RNG, the same
     on every rank so that every rank initialises the same model."""
+    check_device(device)
     mps = torch.backends.mps.is_available()  # Apple silicon's GPU
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
@@ -120,7 +128,11 @@ def on_master(env, fn, what):
 
 
 def teardown():
-    if dist.is_initialized():
+    """Leave the process group at the end of a run. Not while an error goes up to run_main, which
+    prints it and exits: a gloo peer that destroys its group, or exits, before the other ranks can
+    make them abort (SIGABRT, "Connection closed by peer"), and torchrun then stops rank 0 before it
+    has said why (configurator.run_main: rank 0 exits first, the others wait)."""
+    if dist.is_initialized() and sys.exc_info()[0] is None:
         dist.destroy_process_group()
 
 
@@ -170,12 +182,12 @@ class Batches:
 
 # -- the run: its lock on out_dir, and Ctrl-C ------------------------------------------------------
 
-def lock(out_dir):
-    """Claim out_dir for this run: a lock on out_dir/.lock through filelock (flock on Linux and
-    macOS, msvcrt on Windows), held until release() or the end of the process, so that a killed run
-    leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a run that is refused.
-    Then remove the temporary files that a killed run left behind."""
-    make_dir(out_dir, "out_dir")
+def lock(out_dir, flag="out_dir"):
+    """Claim out_dir (which --{flag} names) for this run: a lock on out_dir/.lock through filelock
+    (flock on Linux and macOS, msvcrt on Windows), held until release() or the end of the process,
+    so that a killed run leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a
+    run that is refused. Then remove the temporary files that a killed run left behind."""
+    make_dir(out_dir, flag)
     held = filelock.FileLock(os.path.join(out_dir, ".lock"), timeout=0)  # 0: one try, no waiting
     pid_file = os.path.join(out_dir, ".lock.pid")
     try:
@@ -186,7 +198,7 @@ def lock(out_dir):
             with open(pid_file) as f:
                 holder = f.read().strip() or holder
         raise UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it "
-                        f"to finish or choose another --out_dir") from None
+                        f"to finish or choose another --{flag}") from None
     with open(pid_file, "w") as f:
         f.write(f"pid {os.getpid()}")
     for name in os.listdir(out_dir):

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import sys
+import time
 import types
 import typing
 
@@ -155,10 +156,13 @@ def field_comments(cls):
     return comments
 
 
-def usage(classes):
-    """`--help`: every key with its type, default and the comment beside its field."""
+def usage(classes, values=None, note=""):
+    """`--help`: every key with its type, default and the comment beside its field. The default is
+    the one the run would use: from `values` ({key: (value, where)}, the script's defaults and
+    config files) where they set it, with the field's own after "else" where it differs."""
+    values = values or {}
     lines = ["usage: python SCRIPT.py [config/FILE.py ...] "
-             "[--key=value | --key value | --flag | --no-flag ...]"]
+             "[--key=value | --key value | --flag | --no-flag ...]"] + [note] * bool(note)
     for cls in classes:
         comments = field_comments(cls)
         lines.append(f"\n{cls.__name__}:")
@@ -166,7 +170,14 @@ def usage(classes):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             type_name = getattr(f.type, "__name__", str(f.type))
             comment = f"  {comments[f.name]}" if f.name in comments else ""
-            lines.append(f"  --{f.name}={default!r} ({type_name})" + comment)
+            shown = f"{default!r} ({type_name})"
+            if f.name in values:  # "1000 (int, config/shakespeare.py; else 2000)"
+                value, where = values[f.name]
+                value = coerce(f.name, value, f.type)
+                if value != default:
+                    where = where.removeprefix("in ")
+                    shown = f"{value!r} ({type_name}, {where}; else {default!r})"
+            lines.append(f"  --{f.name}={shown}" + comment)
     return "\n".join(lines)
 
 
@@ -208,14 +219,19 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
     named or on the command line, so that a script can tell a choice from a default (resuming, a
     checkpoint's shape and tokenizer win over `defaults` and `default_file`)."""
     owners = fields_of(*classes)
-    if "--help" in argv or "-h" in argv:
-        print(usage(classes))
-        sys.exit(0)
-    files, pairs = split_args(argv, owners)
+    asked_help = "--help" in argv or "-h" in argv
+    files, pairs = split_args([a for a in argv if a not in ("--help", "-h")], owners)
     values = {key: (value, "in the script's defaults") for key, value in (defaults or {}).items()}
     for path in files or ([default_file] if default_file else []):
         for key, value in read_config_file(path).items():
             values[key] = (value, f"in {path}")
+    if asked_help:  # the defaults that this command, without --help, would run with
+        read = ", ".join(files) or default_file
+        note = (f"defaults: what this command runs with, the values of {read} (marked) over the "
+                f"fields' own (after 'else')" + (f"; naming a config file replaces {read}"
+                                                 * (not files))) if read else ""
+        print(usage(classes, values, note))
+        sys.exit(0)
     named = {f"in {path}" for path in files}  # the config files the user named
     given = {key for key, (_, where) in values.items() if where in named} | {k for k, _ in pairs}
     for key, value in pairs:
@@ -250,4 +266,16 @@ def run_main(main):
     except UserError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
             print(f"{'' if isinstance(e, Interrupted) else 'error: '}{e}", file=sys.stderr)
+        elif "WORLD_SIZE" in os.environ:
+            outlive_rank_0()
         sys.exit(e.exit_code)
+
+
+def outlive_rank_0(seconds=60):
+    """Under torchrun, a rank that leaves an error every rank has to rank 0 waits until torchrun
+    stops it, which torchrun does once a rank has exited: rank 0, having said why, so that its
+    status is the failure torchrun reports (a rank that exited first would have rank 0 stopped,
+    perhaps before it printed). At most `seconds`, and not past torchrun's own end."""
+    parent, deadline = os.getppid(), time.monotonic() + seconds
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)

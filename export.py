@@ -31,6 +31,7 @@ import shutil
 from dataclasses import dataclass
 
 import checkpoints
+import common
 import hf
 from configurator import UserError, make_dir, parse_config, run_main
 
@@ -148,6 +149,16 @@ def save_folder(model, tokenizer, out, facts):
               f"requirements-eval.txt and export again")
 
 
+def umask_mode(out):
+    """safetensors writes its files with mode 0600 (a private temporary file, renamed), where open()
+    gives every other file 0666 less the umask (0644 under the usual 022): give them that mode."""
+    umask = os.umask(0)  # the only way to read it is to set it: set it back at once
+    os.umask(umask)
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(out, name), 0o666 & ~umask)
+
+
 def export(path, out, fmt="diffeqformer"):
     """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`."""
     model, ckpt = checkpoints.load_model(path)
@@ -157,13 +168,20 @@ def export(path, out, fmt="diffeqformer"):
     if fmt == "hf":
         hf_model = hf.to_transformers(model, tokenizer)  # refused before the folder is made
     make_dir(out, "out")
-    if fmt == "hf":
-        hf_model.save_pretrained(out)
-        hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
-    else:
-        save_folder(model, tokenizer, out, facts)
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(model_card(model, tokenizer, facts, path, fmt))
+    # a training run's folder (common.lock's .lock): refused while the run goes on, held meanwhile
+    held = common.lock(out, "out") if os.path.exists(os.path.join(out, ".lock")) else None
+    try:
+        if fmt == "hf":
+            hf_model.save_pretrained(out)
+            hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
+        else:
+            save_folder(model, tokenizer, out, facts)
+        with open(os.path.join(out, "README.md"), "w") as f:
+            f.write(model_card(model, tokenizer, facts, path, fmt))
+        umask_mode(out)
+    finally:
+        if held:
+            held.release()
     return model
 
 

@@ -70,7 +70,7 @@ def merged_checkpoint(model, base_ckpt, extra):
 
 def merge_file(path, base_path=None):
     """adapters.pt + its base checkpoint -> merged.pt beside it: an ordinary checkpoint."""
-    model, base_ckpt = checkpoints.load_model(path, merge_base=base_path)
+    model, base_ckpt = checkpoints.load_model(path, merge_base=base_path, kind=checkpoints.ADAPTERS)
     out = os.path.join(os.path.dirname(os.path.abspath(path)), "merged.pt")
     merged = merged_checkpoint(model, base_ckpt, dict(merged_from=os.path.abspath(path)))
     checkpoints.save(merged, out)
@@ -81,8 +81,16 @@ def merge_file(path, base_path=None):
 
 def check_options(mcfg, fcfg, cfg, given):
     """What the command line alone decides, before any data or model work."""
-    if fcfg.merge:
+    if fcfg.merge:  # refused rather than ignored: a user who gives --steps expects it to count
+        ignored = sorted(given - {"merge", "merge_base"})
+        if ignored:
+            raise ConfigError(f"--merge folds adapters into their base with the settings "
+                              f"recorded in the adapters file, and trains nothing: it would ignore "
+                              f"{', '.join('--' + k for k in ignored)}; leave them out")
         return cfg
+    if fcfg.merge_base:
+        raise ConfigError("--merge_base names the base checkpoint of the adapters that --merge "
+                          "folds in: give --merge=ADAPTERS too, or leave --merge_base out")
     if cfg.init_from == "scratch":
         raise ConfigError("finetune.py starts from a checkpoint: --init_from=PATH (or resume, to "
                           "continue a fine-tuning run)")

@@ -79,7 +79,10 @@ class Tokenizer:
         return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def get_tokenizer(name):
+def get_tokenizer(name, choosable=False):
+    """The tokenizer `name`. Offline, a tiktoken encoding that is not cached is one line, which
+    suggests bytes only where the user chooses the tokenizer (choosable: --tokenizer of a new run or
+    of prepare.py), not where a checkpoint was trained on this one."""
     if name == "byte":
         return Tokenizer(name)
     if name not in tiktoken.list_encoding_names():
@@ -89,8 +92,9 @@ def get_tokenizer(name):
         return Tokenizer(name, tiktoken.get_encoding(name))
     except OSError as e:  # tiktoken downloads each encoding once, into TIKTOKEN_CACHE_DIR
         raise download_error(f"the {name} tokenizer", e,
-                             "set TIKTOKEN_CACHE_DIR to a folder holding its cached files, "
-                             "or use --tokenizer=byte") from e
+                             "set TIKTOKEN_CACHE_DIR to a folder holding its cached files"
+                             + (", or use --tokenizer=byte" if choosable else
+                                f" (the model was trained on {name} tokens)")) from e
 
 
 def token_dtype(vocab_size):
@@ -226,9 +230,10 @@ def data_dir_of(data_root, dataset, tokenizer):
     return os.path.join(data_root, f"{dataset}_{tokenizer}")
 
 
-def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8):
+def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8,
+            choosable=False):
     """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their
-    directory."""
+    directory. choosable: the user chose the tokenizer (get_tokenizer)."""
     data_dir = data_dir_of(data_root, dataset, tokenizer)
     paths = [p.strip() for p in input_file.split(",") if p.strip()]
     if not paths and val_file:
@@ -257,7 +262,7 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
             return data_dir
 
     make_dir(data_root, "data_root")  # a file in the way, or read-only: one line, before any work
-    tok = get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer, choosable)
     # tokenised document by document, written in shards
     corpus = dataset == "openwebtext" and not paths
     texts = None if corpus else load_text(dataset, paths, val_file, split_each)
@@ -315,7 +320,7 @@ class PrepareConfig:
 
 def main(argv):
     cfg, _given = parse_config(argv, PrepareConfig)
-    data_dir = prepare(**dataclasses.asdict(cfg))
+    data_dir = prepare(**dataclasses.asdict(cfg), choosable=True)
     meta = load_meta(data_dir)
     print(f"{data_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
           f"({meta['tokenizer']}, vocab {meta['vocab_size']}, {meta['dtype']})")

@@ -34,6 +34,10 @@ from configurator import UserError, parse_config, run_main
 from model import MAX_STEPS, SOLVERS, Context, block_shapes, evaluations, sliding_window_mask
 
 
+MAX_NEW_TOKENS = 1_000_000  # a sample is held in memory and printed at the end; at the default
+# shape's 200-250 tokens/s past the context on a 2-core CPU (docs/sampling.md), over an hour
+
+
 @dataclass
 class SampleConfig:
     init_from: str = "out/ckpt.pt"  # a model checkpoint (ckpt.pt, merged.pt) or LoRA adapters
@@ -54,6 +58,11 @@ class SampleConfig:
         for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0), ("steps", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}")
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at most "
+                             f"{MAX_NEW_TOKENS:,}: sample.py holds every sample in memory and "
+                             f"prints it at the end, and a million tokens take over an hour on a "
+                             f"2-core CPU")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be at least 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
@@ -271,6 +280,8 @@ def read_prompt(start):
     """The prompt text: `start` itself, or the contents of the file that FILE:path names."""
     if start.startswith("FILE:"):
         path = start[len("FILE:"):]
+        if os.path.isdir(path):
+            raise UserError(f"prompt file {path} is a folder: name a text file in it")
         if not os.path.isfile(path):
             raise UserError(f"prompt file {path} does not exist")
         try:

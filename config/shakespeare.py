@@ -1,5 +1,6 @@
 # The default of `python train.py`: a small DiffEqFormer on tiny Shakespeare, bytes as tokens.
-# Trains on a laptop CPU in about four minutes (2 cores: val loss ~1.96 nats/byte).
+# Trains in 3 min 29 s on this project's 2-core CPU, nothing else running (2026-11-23), to a val
+# loss of 1.967 +- 0.031 nats/byte over 24 initial draws (1.9940 at seed 1337): README.md.
 out_dir = "out"
 dataset = "shakespeare"
 tokenizer = "byte"

@@ -242,8 +242,7 @@ def task_manager(tasks, include_path=""):
     """lm-eval's TaskManager for `tasks`: the local folder alone when it has them all (indexing lm-eval's
     own ~15,000 task files takes seconds), else lm-eval's tasks too. An unknown name is a UserError."""
     TaskManager = harness().tasks.TaskManager
-    if include_path and not os.path.isdir(include_path):
-        raise UserError(f"--include_path={include_path} is not a folder of task YAML files")
+    check_include_path(include_path)
     if include_path:
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
@@ -251,9 +250,20 @@ def task_manager(tasks, include_path=""):
     manager = TaskManager(include_path=include_path or None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        where = f" nor in {include_path}" if include_path else " (local tasks: --include_path=FOLDER)"
-        raise UserError(f"unknown task {unknown[0]!r}: not one of lm-eval's tasks{where}")
+        raise unknown_task(unknown[0], include_path)
     return manager
+
+
+def check_include_path(include_path):
+    if include_path and not os.path.isdir(include_path):
+        raise UserError(f"--include_path={include_path} is not a folder of task YAML files")
+
+
+def unknown_task(name, include_path):
+    """The UserError of a task name that neither lm-eval nor the --include_path folder has."""
+    where = f" nor in {include_path}" if include_path else " (local tasks: --include_path=FOLDER)"
+    return UserError(f"unknown task {name!r}: not one of lm-eval's tasks{where}; "
+                     f"`python -m lm_eval ls tasks` lists them")
 
 
 def evaluate(lm, tasks, manager, cfg):

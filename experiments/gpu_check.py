@@ -44,7 +44,7 @@ import torch
 import common
 import runlog  # the peak and FLOP count of train.py's MFU
 import train
-from configurator import parse_config, run_main
+from configurator import make_dir, parse_config, run_main
 from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
@@ -73,6 +73,11 @@ class CheckConfig:
     out: str = "out-gpu-check"  # gpu_check.txt (the table), gpu_check.json, the tests' log and junit XML
     budget_s: float = 480.0  # the whole check's wall-clock budget: a part that would overrun it is skipped
     tests: bool = True  # run tests/test_cuda.py first
+
+    def __post_init__(self):
+        if self.budget_s <= 0:  # else every part is skipped, and the check says nothing of the GPU
+            raise ValueError(f"budget_s={self.budget_s:g} must be positive: the seconds the check "
+                             f"may take")
 
 
 class Clock:
@@ -480,7 +485,7 @@ def save(report, cfg, clock):
 def main(argv):
     cfg, _ = parse_config(argv, CheckConfig)
     clock = Clock(cfg.budget_s)
-    os.makedirs(cfg.out, exist_ok=True)
+    make_dir(cfg.out, "out")  # a file in the way, or read-only: one line
     env = common.setup("auto", "auto")
     cuda = env.device.type == "cuda"
     sizes = SIZES["cuda" if cuda else "cpu"]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoints
-from configurator import UserError
+from configurator import ConfigError, UserError
 from model import DiffEqFormer, ModelConfig
 from scale import parallel
 
@@ -116,20 +116,29 @@ def save_run(model, optimizer, state, cfg, env, extra):
         save_sharded(model, optimizer, meta, os.path.join(cfg.out_dir, "ckpt_sharded"),
                      state["iter_num"], env.master)
     elif env.master:
-        checkpoints.save({**meta, "model": parallel.unwrap(model).state_dict(),
-                     "optimizer": optimizer.state_dict()}, os.path.join(cfg.out_dir, "ckpt.pt"))
+        ckpt = {**meta, "model": parallel.unwrap(model).state_dict(),
+                "optimizer": optimizer.state_dict()}
+        checkpoints.save(ckpt, os.path.join(cfg.out_dir, "ckpt.pt"), resumable=True)
 
 
 def load_run(cfg, env, kind=checkpoints.MODEL):
     """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no
-    weights)."""
+    weights). A run resumes on the data it trained on: another --dataset is refused."""
     folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
     if parallel.sharded(cfg, env):
-        return checkpoints.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
-    if os.path.isdir(folder) and not os.path.exists(single):
+        ckpt = checkpoints.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
+    elif os.path.isdir(folder) and not os.path.exists(single):
         raise UserError(f"{cfg.out_dir} holds a sharded checkpoint: resume it under torchrun with "
                         f"--parallel=fsdp, or convert it first with --convert={folder}")
-    return checkpoints.load(single, kind)
+    else:
+        ckpt = checkpoints.load(single, kind)
+    trained = ckpt.get("train_config", {}).get("dataset", cfg.dataset)
+    if trained != cfg.dataset:  # a config file left out of the resuming command, say
+        raise ConfigError(f"the run in {cfg.out_dir} trains on --dataset={trained}: resuming it on "
+                          f"{cfg.dataset} would switch its data mid-run; resume with "
+                          f"--dataset={trained} (and the run's config file), or start a new run "
+                          f"from its weights with --init_from and another --out_dir")
+    return ckpt
 
 
 def restore_run(model, optimizer, ckpt, cfg, env):

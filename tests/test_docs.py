@@ -299,3 +299,23 @@ def test_readme_euler_loop_is_model_py():
     first, lines = loops[0]
     missing = [f"README.md:{first + i}: {line.strip()}" for i, line in enumerate(lines) if line.strip() and line.strip() not in known]
     assert not missing, "lines of the README's Euler loop that model.py does not have:\n" + "\n".join(missing)
+
+
+# -- (e) the default run's time ----------------------------------------------------------------------
+
+DEFAULT_RUN_TIME = "3 min 29 s"  # `python train.py` alone on the project's 2-core CPU, 2026-11-23
+
+
+def test_the_default_runs_time_is_one_measured_figure_wherever_it_is_stated():
+    """The README said "~4 minutes" and "3 1/2 minutes", config/shakespeare.py "about four minutes"."""
+    def section(path, heading):
+        return open(path, encoding="utf-8").read().partition(f"\n## {heading}")[2].partition("\n## ")[0]
+    places = {"README.md, Quick start": section(README, "Quick start"),
+              "README.md, Train": section(README, "Train (`train.py`)"),
+              "docs/speed.md": section(os.path.join(DOCS_DIR, "speed.md"), "The default training run")}
+    for name in ("config/shakespeare.py", "train.py"):
+        places[name] = open(os.path.join(ROOT, name), encoding="utf-8").read().partition('"""\nimport')[0]
+    for name, text in places.items():
+        assert DEFAULT_RUN_TIME in text, f"{name} does not state the default run's time, {DEFAULT_RUN_TIME}"
+        assert not re.search(r"\bminutes\b|\bmin\b(?! \d+ s)", text.replace(DEFAULT_RUN_TIME, "")), \
+            f"{name} states a time in minutes other than {DEFAULT_RUN_TIME}"

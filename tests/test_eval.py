@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import prepare
-from configurator import ConfigError, UserError
+from configurator import ConfigError, UserError, run_main
 
 from conftest import ROOT, tokenizer_or_skip
 from test_sample import random_model, recomputed_logits, save_model
@@ -206,6 +206,38 @@ def test_lm_evals_own_command_line_runs_a_checkpoint_by_name(tmp_path, monkeypat
     with pytest.raises(ConfigError, match="batch_size=0 must be at least 1"):
         harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},batch_size=0",
                       "--tasks", "tiny_choice", "--include_path", TASK_DIR])
+
+
+@needs_lm_eval
+@pytest.mark.parametrize("args,message", [
+    (["--tasks", "nosuchtask"], "unknown task 'nosuchtask': not one of lm-eval's tasks (local tasks: "
+                                "--include_path=FOLDER); `python -m lm_eval ls tasks` lists them"),
+    (["--tasks", "tiny_choice", "--include_path", "/nonexistent"],
+     "--include_path=/nonexistent is not a folder of task YAML files"),
+    (["--tasks", "tiny_choice", "--include_path", TASK_DIR, "--limit", "-1"],
+     "--limit -1: give the documents per task (a fraction of them if below 1), or leave --limit out"),
+    (["--tasks", "tiny_choice", "--include_path", TASK_DIR, "--device", "tpu"],
+     "device='tpu': use auto, cpu, cuda, cuda:N (the N-th GPU) or mps"),
+    (["--tasks", "tiny_choice", "--model", "hf"], "--model hf: experiments.harness runs this project's "
+     "checkpoints, --model diffeqformer --model_args init_from=CKPT; an exported folder runs in lm-eval's own "
+     "command: python -m lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True"),
+])
+def test_the_harness_says_what_to_do_in_one_line(args, message, monkeypatch, capsys):
+    """What lm-eval's own command answers with a traceback (or runs on, or only after the model
+    loaded): one line. Its task lookup is lm-eval's, on local tasks only here (its own index takes
+    seconds)."""
+    import lm_eval.tasks
+    from experiments import harness
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager,
+                                                                        include_defaults=False))
+    model = [] if "--model" in args else ["--model", "diffeqformer"]
+    monkeypatch.setattr(sys, "argv", ["harness", *model, "--model_args", "init_from=nowhere.pt", *args])
+    with pytest.raises(SystemExit) as done:
+        run_main(harness.main)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert done.value.code == 2 and "Traceback" not in err and len(errors) == 1, err[-2000:]
+    assert errors[0].startswith(f"error: {message}"), errors[0]
 
 
 def test_without_lm_eval_the_harness_says_how_to_install_it():

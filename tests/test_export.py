@@ -4,6 +4,7 @@ give transformers' logits; GPT-2 weights come in through transformers (from a GP
 here with random weights, as OpenAI's would come from the Hub); offline, a Hub name is one line."""
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -131,13 +132,62 @@ def test_every_script_loads_a_folder(saved, tmp_path, capsys):
 
 
 def test_adapters_on_a_folder_base_check_its_hash(tmp_path, saved):
-    """A folder base is hashed by its files' names and bytes: changed weights are refused."""
-    export.export(saved["diffeq"], str(tmp_path / "base"))
-    before = checkpoints.file_hash(str(tmp_path / "base"))
-    checkpoints.check_base(str(tmp_path / "base"), before)
-    export.export(saved["shared"], str(tmp_path / "base"))
+    """A folder base is hashed by its config's and weights' names and bytes: changed weights are
+    refused; an edited model card is not a changed model (it blocked the merge)."""
+    base = str(tmp_path / "base")
+    export.export(saved["diffeq"], base)
+    before = checkpoints.file_hash(base)
+    with open(tmp_path / "base" / "README.md", "a") as f:
+        f.write("One more line of the model card.\n")
+    checkpoints.check_base(base, before)
+    checkpoints.check_base(base, before, merge_base=True)
+    export.export(saved["shared"], base)
     with pytest.raises(UserError, match="has changed"):
-        checkpoints.check_base(str(tmp_path / "base"), before)
+        checkpoints.check_base(base, before)
+    for path, why in ((base, "is not the base checkpoint the adapters were trained on"),
+                      (str(tmp_path / "gone"), "does not exist")):
+        with pytest.raises(UserError) as e:  # named by --merge_base: not told to name it so
+            checkpoints.check_base(path, before, merge_base=True)
+        assert str(e.value).startswith(f"--merge_base={path} {why}") and "PATH" not in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["diffeqformer", "hf"])
+def test_every_file_of_the_folder_has_the_mode_the_umask_gives(saved, tmp_path, fmt):
+    """model.safetensors was written with mode 0600 (safetensors' own temporary file), the other
+    files 0644."""
+    if fmt == "hf":
+        pytest.importorskip("transformers")
+    umask = os.umask(0o027)
+    try:
+        export.export(saved["gpt"], str(tmp_path), fmt)
+    finally:
+        os.umask(umask)
+    modes = {name: oct(os.stat(tmp_path / name).st_mode & 0o777) for name in os.listdir(tmp_path)}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o640"}, modes
+
+
+def test_an_export_into_the_folder_of_a_run_that_goes_on_is_refused(saved, tmp_path, monkeypatch):
+    """export.py wrote into a folder that a training run held (its lock, common.lock); it now waits
+    its turn, and holds the lock while it writes."""
+    out = str(tmp_path / "run")
+    held = common.lock(out)
+    try:
+        with pytest.raises(UserError, match=f"^{re.escape(out)} is in use by a run that is still going "
+                                            rf"\(pid {os.getpid()}\); wait for it to finish or choose another --out$"):
+            export.export(saved["gpt"], out)
+    finally:
+        held.release()
+    assert sorted(os.listdir(out)) == [".lock", ".lock.pid"]
+    real = export.save_folder
+
+    def while_writing(model, tokenizer, folder, facts):
+        with pytest.raises(UserError, match="is in use"):  # a run that starts meanwhile is refused
+            common.lock(folder)
+        real(model, tokenizer, folder, facts)
+    monkeypatch.setattr(export, "save_folder", while_writing)
+    export.export(saved["gpt"], out)  # once the run has ended
+    assert "model.safetensors" in os.listdir(out)
+    common.lock(out).release()  # and let go of it after
 
 
 def test_a_folder_with_broken_weights_is_one_line(saved, tmp_path):

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 import analyze
+import checkpoints
 import finetune
+import lora
+import prepare
 import sample
 import train
 from configurator import run_main
@@ -53,14 +56,25 @@ def test_the_flagship_on_a_cpu_machine_is_refused_by_rank_0_before_any_download(
 
 
 def test_an_offline_tokenizer_is_one_line_before_any_data_work(tmp_path, capsys, monkeypatch):
-    import prepare
+    """Offline, a tiktoken encoding that is not cached: one line, which suggests bytes where the user
+    chooses the tokenizer (a new run), and not where a checkpoint needs this one (sample.py has no
+    --tokenizer: it was suggested there too)."""
+    import tiktoken
+    from test_sample import random_model, save_model
 
     def offline(name):
-        raise prepare.download_error("the gpt2 tokenizer", OSError("no network"), "set TIKTOKEN_CACHE_DIR")
-    monkeypatch.setattr(prepare, "get_tokenizer", offline)
+        raise OSError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
     line = one_line(train.main, tiny_and("--tokenizer=gpt2", f"--data_root={tmp_path / 'data'}",
                                          f"--out_dir={tmp_path / 'out'}"), capsys, monkeypatch)
-    assert line.startswith("error: could not download the gpt2 tokenizer") and not (tmp_path / "data").exists()
+    assert line == ("error: could not download the gpt2 tokenizer (OSError: no network); offline, set "
+                    "TIKTOKEN_CACHE_DIR to a folder holding its cached files, or use --tokenizer=byte")
+    assert not (tmp_path / "data").exists()
+    line = one_line(prepare.main, ["--tokenizer=gpt2", f"--data_root={tmp_path / 'data'}"], capsys, monkeypatch)
+    assert line.endswith("or use --tokenizer=byte")
+    path = save_model(tmp_path / "gpt2.pt", random_model(vocab_size=50304), tokenizer="gpt2")
+    line = one_line(sample.main, [f"--init_from={path}"], capsys, monkeypatch)
+    assert line.endswith("holding its cached files (the model was trained on gpt2 tokens)"), line
 
 
 def test_ctrl_c_saves_the_iteration_and_resuming_continues_exactly(tmp_path, shakespeare):
@@ -191,12 +205,9 @@ def test_analyze_with_a_file_as_out_is_one_line(tmp_path, capsys, monkeypatch):
     assert line.endswith("it is a file, not a folder; choose another --out")
 
 
-def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch,
-                                                                             shakespeare):
-    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
-                    "--max_iters=4", "--eval_interval=2")
-    train.main([*args, "--stop_at=2"])
-    before = (tmp_path / "out" / "ckpt.pt").read_bytes()
+def full_disk(monkeypatch):
+    """torch.save fails from now on as it does on a full disk: it writes, then raises its own error from
+    the OSError."""
     real_save = torch.save
 
     def full(obj, f, *a, **k):
@@ -204,12 +215,41 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_
         raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file") \
             from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(torch, "save", full)
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                             shakespeare):
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                    "--max_iters=4", "--eval_interval=2")
+    train.main([*args, "--stop_at=2"])
+    before = (tmp_path / "out" / "ckpt.pt").read_bytes()
+    full_disk(monkeypatch)
     capsys.readouterr()
     line = one_line(train.main, [*args, "--init_from=resume"], capsys, monkeypatch)
     assert line == f"error: could not write {tmp_path / 'out' / 'ckpt.pt'}: No space left on device; what was " \
                    f"there before is intact (a run resumes from it with --init_from=resume)"
     assert (tmp_path / "out" / "ckpt.pt").read_bytes() == before
     assert [n for n in os.listdir(tmp_path / "out") if ".tmp" in n] == []
+
+
+def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(tmp_path, capsys, monkeypatch,
+                                                                                shakespeare):
+    """A merge, or a run's first checkpoint, has nothing before it: "what was there before is intact (a run
+    resumes from it with --init_from=resume)" misled."""
+    from test_sample import byte_model, save_model
+    base = save_model(tmp_path / "base.pt", byte_model())
+    layers = lora.add_lora(byte_model().materialize(3), rank=2)
+    adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), base, checkpoints.file_hash(base), 3)
+    checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
+    full_disk(monkeypatch)
+    line = one_line(finetune.main, [f"--merge={tmp_path / 'adapters.pt'}"], capsys, monkeypatch)
+    assert line == f"error: could not write {tmp_path / 'merged.pt'}: No space left on device; nothing was written"
+    out = tmp_path / "out"
+    argv = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={out}",
+                    "--max_iters=2", "--eval_interval=2")
+    line = one_line(train.main, argv, capsys, monkeypatch)
+    assert line == f"error: could not write {out / 'ckpt.pt'}: No space left on device; nothing was written"
+    assert not (out / "ckpt.pt").exists() and not (tmp_path / "merged.pt").exists()
 
 
 @pytest.mark.parametrize("main,argv,message", [

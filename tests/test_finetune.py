@@ -13,7 +13,7 @@ import finetune
 import lora
 import prepare
 import train
-from configurator import UserError
+from configurator import ConfigError, UserError
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, TINY
@@ -274,12 +274,28 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
     assert not torch.equal(wrong.layers[0].attn.weight, expected.layers[0].attn.weight)
 
 
+def test_merge_refuses_a_checkpoint_without_adapters_and_the_settings_it_would_ignore(tmp_path):
+    """--merge on a plain checkpoint wrote it again as merged.pt; --lora_rank, --steps, --max_iters
+    beside --merge were ignored without a word."""
+    ode, path = random_ode(), str(tmp_path / "plain.pt")
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), path)
+    with pytest.raises(UserError, match=f"^{path} holds a {checkpoints.MODEL} checkpoint, not a "
+                                        f"{checkpoints.ADAPTERS} checkpoint$"):
+        finetune.main([f"--merge={path}"])
+    assert not (tmp_path / "merged.pt").exists()
+    with pytest.raises(ConfigError, match="^--merge folds adapters into their base with the settings recorded in the "
+                                          "adapters file, and trains nothing: it would ignore --lora_rank, "
+                                          "--max_iters, --steps; leave them out$"):
+        finetune.main([f"--merge={path}", "--lora_rank=64", "--steps=12", "--max_iters=5", "--merge_base=x.pt"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--solver=rk4"], "--solver=rk4: a materialised model is the Euler discretisation"),
     (["--n_layer=9"], "--n_layer: the fine-tuned depth is --steps N"),
     (["--d_t=4"], "--d_t: the model's shape comes from the checkpoint; fine-tuning may set only --dropout, --checkpoint"),
     (["--init_from=scratch"], "finetune.py starts from a checkpoint"),
     (["--parallel=fsdp"], "finetune.py runs under DDP"),
+    (["--merge_base=base.pt"], "--merge_base names the base checkpoint of the adapters that --merge folds in"),
 ])
 def test_options_fine_tuning_cannot_take_are_one_clear_error(argv, message):
     with pytest.raises(UserError, match=message):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import test_cuda
+from configurator import UserError
 from experiments import gpu_check
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's version (on a GPU: minutes, run it)")
@@ -65,7 +66,7 @@ def test_timing_the_phases_puts_back_what_it_wrapped_even_when_the_step_raises()
 
 @cpu_only
 def test_a_spent_budget_skips_every_part_and_says_so(tmp_path, capsys):
-    report = gpu_check.main([f"--out={tmp_path}", "--budget_s=0"])
+    report = gpu_check.main([f"--out={tmp_path}", "--budget_s=1e-6"])
     printed = capsys.readouterr().out
     assert report["tests"]["skipped"].startswith("time") and "tests/test_cuda.py: skipped: time" in printed
     assert report["rows"] == [] and report["ratios"] == [] and report["profile"] == {}
@@ -73,6 +74,21 @@ def test_a_spent_budget_skips_every_part_and_says_so(tmp_path, capsys):
     assert list(reasons) == ["decode 8 tokens after 4, batch 1", "train step, compiled", "train step, eager", "profile"]
     assert all(reasons[part].startswith("time") for part in ("train step, eager", "decode 8 tokens after 4, batch 1"))
     assert "skipped: train step, eager (time" in printed
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--budget_s=-5", "budget_s=-5 must be positive: the seconds the check may take"),
+    ("--budget_s=0", "budget_s=0 must be positive"),
+    ("--out={file}", "cannot write into --out={file}: it is a file, not a folder; choose another --out"),
+])
+def test_a_bad_budget_or_out_is_one_line_before_any_work(tmp_path, flag, message, monkeypatch):
+    """A zero or negative budget ran and skipped every part without a word; a file as --out was
+    os.makedirs' FileExistsError."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(gpu_check, "run_tests", lambda *args: pytest.fail("the check ran"))
+    with pytest.raises(UserError) as e:
+        gpu_check.main([flag.format(file=tmp_path / "file")])
+    assert str(e.value).startswith(message.format(file=tmp_path / "file"))
 
 
 @cpu_only

@@ -279,6 +279,8 @@ def test_prompt_from_a_file(tmp_path, capsys):
     assert run_sample(capsys, path, f"--start=FILE:{tmp_path / 'prompt.txt'}", "--max_new_tokens=4") == expected(model, "ba", 4)
     with pytest.raises(UserError, match="prompt file .*nothing.txt does not exist"):
         run_sample(capsys, path, f"--start=FILE:{tmp_path / 'nothing.txt'}")
+    with pytest.raises(UserError, match=f"^prompt file {tmp_path} is a folder: name a text file in it$"):
+        run_sample(capsys, path, f"--start=FILE:{tmp_path}")  # it "did not exist"
 
 
 @pytest.mark.parametrize("tokenizer,vocab,start,message", [
@@ -307,6 +309,8 @@ def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--init_from=nowhere/ckpt.pt"], "error: checkpoint nowhere/ckpt.pt does not exist (train one with `python train.py`"),
     (["--top_p=0"], "error: top_p=0.0 must be in (0, 1]"),
+    (["--max_new_tokens=1000000000"], "error: max_new_tokens=1000000000 must be at most 1,000,000: sample.py "
+                                      "holds every sample in memory"),  # accepted without a word
 ])
 def test_script_errors_are_one_line(args, message):
     done = subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True)
