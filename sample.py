@@ -75,7 +75,9 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     logits = logits.float() / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
+        # v[:, -1:], a slice: indexing with a list makes an index tensor from host data, on CUDA a
+        # blocking host-to-device copy, a host synchronisation per token
+        logits = logits.masked_fill(logits < v[:, -1:], -float("inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = F.softmax(sorted_logits, dim=-1)

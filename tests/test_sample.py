@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoints
 import finetune
@@ -196,6 +197,28 @@ def test_temperature_sharpens():
     torch.manual_seed(0)
     cold = sample_next(PROBS.log().expand(4000, -1), temperature=0.25).flatten()
     assert (cold == 1).float().mean() > 0.6  # 0.4^4 / sum p^4 = 0.70; at temperature 1 it is 0.4
+
+
+class Operators(TorchDispatchMode):
+    """The aten operators that run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("filters", [dict(temperature=0), dict(), dict(top_k=3), dict(top_p=0.7),
+                                     dict(top_k=3, top_p=0.7)])
+def test_sampling_makes_no_tensor_from_host_data(filters):
+    """No filter builds a tensor out of Python values per token (aten.lift_fresh): on CUDA that is a
+    blocking host-to-device copy, a host synchronisation between every two decoding steps."""
+    with Operators() as ops:
+        sample_next(PROBS.log().expand(4, -1), **filters)
+    assert "aten.lift_fresh.default" not in ops.names, sorted(ops.names)
 
 
 # -- sample.py ----------------------------------------------------------------------------------------------
