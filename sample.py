@@ -242,8 +242,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
         if rope or p < L:
             logits = step(model, token, pos, state)
             pos += 1
-        else:  # learned positions, context full: the window of the last L tokens, again
-            logits = window(model, out[:, p + 1 - L:p + 1], state)
+        else:  # learned positions, context full: the window of the last L tokens, again, contiguous
+            # (a slice of out has out's row stride, T + max_new_tokens: a compiled window guards on
+            # it, and a generation of another length would compile it again, with dynamic shapes)
+            logits = window(model, out[:, p + 1 - L:p + 1].contiguous(), state)
     return out
 
 
