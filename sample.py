@@ -140,8 +140,8 @@ class DecodingState:
                 *(t for w in self.weights for pair in w.values() for t in pair if t is not None)]
 
 
-# the last DecodingState of each model, refilled by the next generation of the same shapes: its
-# tensors keep their addresses, which a CUDA graph of the one-token step reads from
+# the last DecodingState of each model, refilled by its next generation of the same shapes, dtype
+# and device: its tensors keep their addresses, which a CUDA graph of the one-token step reads from
 STATES = weakref.WeakKeyDictionary()
 
 
@@ -168,7 +168,7 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     state = STATES.get(model)
     if state is not None and (state.steps, state.solver) == (steps, solver) \
             and state.kv[0].k.shape == (batch_size, cfg.n_head, max_len, hs) \
-            and state.kv[0].k.dtype == dtype:
+            and (state.kv[0].k.dtype, state.kv[0].k.device) == (dtype, device):
         fresh = DecodingState(state.kv, weights, head, steps, solver)
         for old, new in zip(state.tensors(), fresh.tensors()):
             if old is not new:  # the caches are theirs; stale slots are masked until rewritten

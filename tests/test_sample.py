@@ -126,6 +126,18 @@ def test_a_generation_refills_the_last_state_in_place_with_the_new_weights(model
         assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t]).argmax(-1)), t
 
 
+
+@pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
+def test_a_model_moved_to_another_device_decodes_with_a_state_there(model_type):
+    """A model moved after a generation (here to the meta device, for CUDA's sake) gets a new state
+    on its new device: the last one's caches, of the same shapes and dtype, lie on the old one."""
+    model = random_model(model_type)
+    old = sample.setup_caches(model, 2, 8, 3, "euler")  # TINY: 3 layers, or 3 steps
+    model.to("meta")
+    new = sample.setup_caches(model, 2, 8, 3, "euler", torch.float64)
+    assert new is not old and {t.device.type for t in new.tensors()} == {"meta"}
+
+
 def test_decoding_computes_the_last_row_of_the_logits():
     model = random_model()
     full, _ = model(prompt(7))
