@@ -84,7 +84,9 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     logits = logits.float() / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
+        # v[:, -1:], a slice: indexing with a list makes an index tensor from host data, on CUDA a
+        # blocking host-to-device copy, a host synchronisation per token
+        logits = logits.masked_fill(logits < v[:, -1:], -float("inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = F.softmax(sorted_logits, dim=-1)
@@ -147,8 +149,8 @@ class DecodingState:
                 *(t for w in self.weights for pair in w.values() for t in pair if t is not None)]
 
 
-# the last DecodingState of each model, refilled by the next generation of the same shapes: its
-# tensors keep their addresses, which a CUDA graph of the one-token step reads from
+# the last DecodingState of each model, refilled by its next generation of the same shapes, dtype
+# and device: its tensors keep their addresses, which a CUDA graph of the one-token step reads from
 STATES = weakref.WeakKeyDictionary()
 
 
@@ -175,7 +177,7 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     state = STATES.get(model)
     if state is not None and (state.steps, state.solver) == (steps, solver) \
             and state.kv[0].k.shape == (batch_size, cfg.n_head, max_len, hs) \
-            and state.kv[0].k.dtype == dtype:
+            and (state.kv[0].k.dtype, state.kv[0].k.device) == (dtype, device):
         fresh = DecodingState(state.kv, weights, head, steps, solver)
         for old, new in zip(state.tensors(), fresh.tensors()):
             if old is not new:  # the caches are theirs; stale slots are masked until rewritten
@@ -249,8 +251,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
         if rope or p < L:
             logits = step(model, token, pos, state)
             pos += 1
-        else:  # learned positions, context full: the window of the last L tokens, again
-            logits = window(model, out[:, p + 1 - L:p + 1], state)
+        else:  # learned positions, context full: the window of the last L tokens, again, contiguous
+            # (a slice of out has out's row stride, T + max_new_tokens: a compiled window guards on
+            # it, and a generation of another length would compile it again, with dynamic shapes)
+            logits = window(model, out[:, p + 1 - L:p + 1].contiguous(), state)
     return out
 
 

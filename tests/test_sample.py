@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoints
 import finetune
@@ -125,6 +126,18 @@ def test_a_generation_refills_the_last_state_in_place_with_the_new_weights(model
         assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t]).argmax(-1)), t
 
 
+
+@pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
+def test_a_model_moved_to_another_device_decodes_with_a_state_there(model_type):
+    """A model moved after a generation (here to the meta device, for CUDA's sake) gets a new state
+    on its new device: the last one's caches, of the same shapes and dtype, lie on the old one."""
+    model = random_model(model_type)
+    old = sample.setup_caches(model, 2, 8, 3, "euler")  # TINY: 3 layers, or 3 steps
+    model.to("meta")
+    new = sample.setup_caches(model, 2, 8, 3, "euler", torch.float64)
+    assert new is not old and {t.device.type for t in new.tensors()} == {"meta"}
+
+
 def test_decoding_computes_the_last_row_of_the_logits():
     model = random_model()
     full, _ = model(prompt(7))
@@ -149,15 +162,16 @@ def test_decoding_needs_caches_set_up_for_its_steps():
 def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recompiles(model_type, flavor, solver):
     """generate(compile=True) past the context: a RoPE model's one-token step through its sliding window,
     and a GPT-flavour model's window recomputation, each compiled once (positions change, shapes do not)
-    and whole, a second generation included (the refilled state: the same addresses)."""
+    and whole, a second generation included (the refilled state: the same addresses), one token longer
+    (the same caches; the window is a slice of a longer output)."""
     torch._dynamo.reset()
     model = random_model(model_type, flavor).float()
     steps, solver = (3, solver) if model.cfg.is_ode else (None, None)
-    eager = generate(model, prompt(3), 2 * BLOCK, temperature=0, steps=steps, solver=solver)
+    eager = generate(model, prompt(3), 2 * BLOCK + 1, temperature=0, steps=steps, solver=solver)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(2):
-            fast = generate(model, prompt(3), 2 * BLOCK, temperature=0, steps=steps, solver=solver, compile=True)
-            assert torch.equal(eager, fast)
+        for n in (2 * BLOCK, 2 * BLOCK + 1):  # greedy: the shorter generation is the longer one's start
+            fast = generate(model, prompt(3), n, temperature=0, steps=steps, solver=solver, compile=True)
+            assert torch.equal(eager[:, :3 + n], fast)
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
 
 
@@ -196,6 +210,28 @@ def test_temperature_sharpens():
     torch.manual_seed(0)
     cold = sample_next(PROBS.log().expand(4000, -1), temperature=0.25).flatten()
     assert (cold == 1).float().mean() > 0.6  # 0.4^4 / sum p^4 = 0.70; at temperature 1 it is 0.4
+
+
+class Operators(TorchDispatchMode):
+    """The aten operators that run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("filters", [dict(temperature=0), dict(), dict(top_k=3), dict(top_p=0.7),
+                                     dict(top_k=3, top_p=0.7)])
+def test_sampling_makes_no_tensor_from_host_data(filters):
+    """No filter builds a tensor out of Python values per token (aten.lift_fresh): on CUDA that is a
+    blocking host-to-device copy, a host synchronisation between every two decoding steps."""
+    with Operators() as ops:
+        sample_next(PROBS.log().expand(4, -1), **filters)
+    assert "aten.lift_fresh.default" not in ops.names, sorted(ops.names)
 
 
 # -- sample.py ----------------------------------------------------------------------------------------------
