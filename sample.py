@@ -166,11 +166,13 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     if dtype is None:
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
-    linear = block_shapes(cfg)  # the weights F.linear multiplies by: attn, proj, fc, ...
+    linear, cast = block_shapes(cfg), {}  # the weights F.linear multiplies by: attn, proj, ...
 
-    def cast(pair, name):
-        return tuple(t if t is None or name not in linear else t.to(dtype) for t in pair)
-    weights = [{name: cast(pair, name) for name, pair in w.items()}
+    def once(t, name):  # in the step's dtype, each tensor once (weight sharing: one block)
+        if t is not None and name in linear and id(t) not in cast:
+            cast[id(t)] = t.to(dtype)
+        return cast.get(id(t), t)
+    weights = [{name: tuple(once(t, name) for t in pair) for name, pair in w.items()}
                for w in model.step_weights(steps, solver)]
     head = (model.wte.weight if model.lm_head is None else model.lm_head.weight).to(dtype)
     hs = cfg.n_embd // cfg.n_head
@@ -187,7 +189,7 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
           for _ in range(evaluations(cfg, steps, solver))]
     STATES[model] = state = DecodingState(kv, weights, head, steps, solver)
     for t in state.tensors():  # CUDA graphs read them in place instead of copying them in
-        torch._dynamo.mark_static_address(t)
+        torch._dynamo.mark_static_address(t, guard=False)
     return state
 
 
@@ -208,10 +210,19 @@ def decode_one_token(model, idx, input_pos, state):
 
 @functools.cache
 def compiled(fn, device_type):
-    """fn compiled as gpt-fast compiles its decoding: whole (fullgraph), and on CUDA as CUDA graphs
-    (mode="reduce-overhead"), so that a token costs one graph launch instead of hundreds of kernel
-    launches from Python."""
-    return torch.compile(fn, fullgraph=True, mode="reduce-overhead" if device_type == "cuda" else None)
+    """fn compiled as gpt-fast compiles its decoding, on CUDA as CUDA graphs (mode="reduce-overhead"),
+    so that a token costs one graph launch instead of hundreds of kernel launches from Python. It
+    compiles into one graph (the tests check that nothing breaks it), once per shape; past torch's
+    recompile limit (8 shapes) a new shape runs eagerly instead of failing."""
+    return torch.compile(fn, mode="reduce-overhead" if device_type == "cuda" else None)
+
+
+def cache_length(n, block_size):
+    """The KV caches' length for a generation of n positions: n rounded up to a multiple of an
+    eighth of block_size, at most block_size. The one-token step compiles once per length, so a
+    few lengths serve every generation; the slots a generation does not reach stay masked."""
+    grain = max(1, block_size // 8)
+    return min(block_size, -(-n // grain) * grain)
 
 
 @torch.no_grad()
@@ -227,7 +238,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     if T == 0:
         raise ValueError("generate needs a prompt of at least one token")
     steps, solver = model.check_steps(steps, solver)
-    L = min(T + max_new_tokens, model.cfg.block_size)
+    L = cache_length(T + max_new_tokens, model.cfg.block_size)
     state = setup_caches(model, B, L, steps, solver)
     device = idx.device
     step, window = (compiled(decode_one_token, device.type), compiled(prefill, device.type)) \

@@ -275,18 +275,21 @@ def decode_rows(mcfg, env, sizes, clock, report):
         with torch.device(env.device):
             models[name] = DiffEqFormer(ModelConfig(**{**mcfg.to_dict(), "model_type": model_type})).eval()
 
-    def decoding(model, prompt, compiled):
+    def decoding(model, prompt, mode):
+        sampling = dict(temperature=0.8, top_k=200) if mode.endswith("sampled") else dict(temperature=0)
+
         def run():
             with env.autocast():
-                return generate(model, prompt, n, temperature=0, compile=compiled)
+                return generate(model, prompt, n, compile=mode.startswith("compiled"), **sampling)
         return run
     for B in sizes["batches"]:
         part = f"decode {n} tokens after {P}, batch {B}"
         if not clock.allows(part, NEED[f"decode, batch {B}"] if B in (1, 16) else 60, report):
             continue
         prompt = torch.randint(mcfg.vocab_size, (B, P), generator=torch.Generator().manual_seed(0)).to(env.device)
-        fns = {(name, mode): decoding(model, prompt, mode == "compiled")
-               for mode in ("eager", "compiled") for name, model in models.items()}
+        # at batch 1 also sample.py's sampling (temperature 0.8, top_k 200): its filters run eagerly
+        modes = ("eager", "compiled", "compiled, sampled") if B == 1 else ("eager", "compiled")
+        fns = {(name, mode): decoding(model, prompt, mode) for mode in modes for name, model in models.items()}
         try:
             times, first = interleaved(fns, sizes["decode_rounds"], 1, sync)
             tokens = {key: fn() for key, fn in fns.items()}
@@ -295,16 +298,16 @@ def decode_rows(mcfg, env, sizes, clock, report):
             continue
         for (name, mode), t in times.items():
             row = dict(part=f"{part}, {mode}", model=name, tokens_per_s=list(quartiles([B * n / s for s in t])))
-            if mode == "compiled":
+            if mode == "compiled":  # greedy: the eager tokens
                 row.update(first_call_s=first[name, mode],
                            same_tokens=bool(torch.equal(tokens[name, mode], tokens[name, "eager"])))
             report["rows"].append(row)
-        for mode in ("eager", "compiled"):
+        for mode in modes:
             report["ratios"].append(dict(label=f"{part}, {mode}: ODE / GPT", quartiles=list(quartiles(
                 [o / g for o, g in zip(times["ODE", mode], times["GPT", mode])]))))
-        for name in models:
-            report["ratios"].append(dict(label=f"{part}, {name}: compiled / eager", quartiles=list(quartiles(
-                [c / e for c, e in zip(times[name, "compiled"], times[name, "eager"])]))))
+        for name, (a, b) in itertools.product(models, zip(modes[1:], modes)):
+            report["ratios"].append(dict(label=f"{part}, {name}: {a} / {b}", quartiles=list(quartiles(
+                [x / y for x, y in zip(times[name, a], times[name, b])]))))
 
 
 # -- 4. where a training step's time goes -------------------------------------------------------------

@@ -25,20 +25,21 @@ def test_the_cpu_version_skips_the_cuda_tests_and_measures_a_tiny_benchmark(tmp_
     assert f"tests/test_cuda.py, {report['tests']['seconds']:.0f} s: {len(cases)} skipped" in printed
     rows = {f"{r['part']}: {r['model']}": r for r in report["rows"]}
     decode = "decode 8 tokens after 4, batch 1"
-    assert set(rows) == {"train step, eager: GPT", "train step, eager: ODE", f"{decode}, eager: GPT",
-                         f"{decode}, eager: ODE", f"{decode}, compiled: GPT", f"{decode}, compiled: ODE"}
+    assert set(rows) == {"train step, eager: GPT", "train step, eager: ODE"} | {
+        f"{decode}, {mode}: {name}" for mode in ("eager", "compiled", "compiled, sampled") for name in ("GPT", "ODE")}
     for label, r in rows.items():
         q = r["tokens_per_s"]
         assert 0 < q[0] <= q[1] <= q[2] < math.inf and label in printed, label
         if label.startswith("train"):  # a loss over the 512 tokens of a near-uniform model; a CPU: no MFU
             assert "mfu" not in r and r["plan_gib"] > 0 and r["peak_gib"] is None
             assert r["first_loss"] == pytest.approx(math.log(512), abs=0.3)
-        if "compiled" in label:  # sample.py --compile's tokens are the eager ones
+        if "compiled:" in label:  # sample.py --compile's greedy tokens are the eager ones
             assert r["same_tokens"] is True and r["first_call_s"] > 0
     assert printed.count("same tokens") == 2
     assert [r["label"] for r in report["ratios"]] == [
-        f"{decode}, eager: ODE / GPT", f"{decode}, compiled: ODE / GPT", f"{decode}, GPT: compiled / eager",
-        f"{decode}, ODE: compiled / eager", "train step, eager: ODE / GPT"]
+        f"{decode}, eager: ODE / GPT", f"{decode}, compiled: ODE / GPT", f"{decode}, compiled, sampled: ODE / GPT",
+        *(f"{decode}, {name}: {a}" for name in ("GPT", "ODE")
+          for a in ("compiled / eager", "compiled, sampled / compiled")), "train step, eager: ODE / GPT"]
     assert all(0 < r["quartiles"][1] < math.inf for r in report["ratios"])
     assert [s["part"] for s in report["skipped"]] == ["train step, compiled"]
     assert "skipped: train step, compiled (a CPU" in printed
@@ -111,7 +112,7 @@ def test_a_part_that_raises_is_reported_and_the_others_go_on(tmp_path, monkeypat
     assert report["failed"] == [dict(part="train step, eager: ODE",
                                      error="OutOfMemoryError: CUDA out of memory. Tried to allocate 12.00 GiB")]
     assert "FAILED: train step, eager: ODE (OutOfMemoryError: CUDA out of memory." in printed
-    assert len([r for r in report["rows"] if r["part"].startswith("decode")]) == 4  # decoding went on
+    assert len([r for r in report["rows"] if r["part"].startswith("decode")]) == 6  # decoding went on
     assert report["profile"] == {} and "profile" in [s["part"] for s in report["skipped"]]
 
 

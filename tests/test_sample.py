@@ -175,6 +175,36 @@ def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recomp
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
 
 
+def test_the_caches_length_rounds_up_to_an_eighth_of_the_context():
+    """Few lengths for every generation (a compiled step compiles once per length), never past the
+    context, and exact for a context under 8 positions."""
+    assert [sample.cache_length(n, 1024) for n in (1, 128, 129, 272, 1000, 1024, 5000)] == \
+        [128, 128, 256, 384, 1024, 1024, 1024]
+    assert [sample.cache_length(n, BLOCK) for n in (5, 12, 40)] == [5, 12, 12]
+    assert len({sample.cache_length(n, 1024) for n in range(1, 3000)}) == 8
+
+
+def test_weight_sharing_casts_its_one_block_once():
+    """Under bf16 autocast every evaluation of a shared model multiplies by the same cast weights."""
+    model = random_model("shared").float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = sample.setup_caches(model, 1, 8, 3, "midpoint")
+    attn = {id(w["attn"][0]) for w in state.weights}
+    assert len(state.weights) == 6 and len(attn) == 1 and state.weights[0]["attn"][0].dtype == torch.bfloat16
+
+
+def test_past_the_recompile_limit_a_new_shape_decodes_eagerly():
+    """torch's recompile limit (8 shapes of one function, here 1) reached: the next batch size decodes
+    eagerly, with the eager tokens, instead of failing."""
+    torch._dynamo.reset()
+    model = random_model(flavor="llama").float()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for B in (1, 2):
+            idx = prompt(3, B=B)
+            fast = generate(model, idx, 4, temperature=0, compile=True)
+            assert torch.equal(fast, generate(model, idx, 4, temperature=0))
+
+
 # -- sampling filters -----------------------------------------------------------------------------------
 
 PROBS = torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]])  # token order by probability: 1, 3, 4, 2, 0
