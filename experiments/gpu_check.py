@@ -40,7 +40,7 @@ import torch
 import common
 import runlog  # the peak and FLOP count of train.py's MFU
 import train
-from configurator import parse_config, run_main
+from configurator import parse_config, run_main, written
 from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
@@ -337,7 +337,7 @@ def table(report):
 
 def save(report, cfg, clock):
     report["elapsed_s"] = report["budget_s"] - clock.left()
-    with open(os.path.join(cfg.out, "gpu_check.json"), "w") as f:
+    with written(os.path.join(cfg.out, "gpu_check.json")) as tmp, open(tmp, "w") as f:
         json.dump(report, f, indent=1)
 
 
@@ -368,7 +368,7 @@ def main(argv):
     save(report, cfg, clock)
     text = table(report)
     print(text)
-    with open(os.path.join(cfg.out, "gpu_check.txt"), "w") as f:
+    with written(os.path.join(cfg.out, "gpu_check.txt")) as tmp, open(tmp, "w") as f:
         f.write(text + "\n")
     return report
 
