@@ -49,6 +49,8 @@ class TrainConfig:
     out_dir: str = "out"
     init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
     # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights) or a Hub id to start from
+    overwrite: bool = False  # start a new run in an out_dir that holds a run's checkpoint, which
+                             # the new run replaces (without it such an out_dir is refused)
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
@@ -91,6 +93,9 @@ class TrainConfig:
     convert: str = ""  # a sharded checkpoint folder: write the one-file ckpt.pt beside it, and stop
 
     def __post_init__(self):
+        if self.overwrite and self.init_from == "resume":
+            raise ValueError("--overwrite starts a new run over out_dir's, --init_from=resume "
+                             "continues it: choose one")
         if self.train_steps:
             int_range(self.train_steps, "train_steps", MAX_STEPS)
         if self.parallel not in ("ddp", "fsdp"):
@@ -321,6 +326,20 @@ def check_launch(cfg, mcfg):
     return cfg
 
 
+RUN_FILES = ("ckpt.pt", "ckpt_sharded")  # what a run in out_dir resumes from
+
+
+def check_out_dir(cfg):
+    """Refuse to start a new run in an out_dir that holds a run's checkpoint, before anything is
+    written: it would be replaced (and its log) without a word. --init_from=resume continues it,
+    --overwrite starts over (as transformers' --overwrite_output_dir)."""
+    held = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, name))]
+    if held and cfg.init_from != "resume" and not cfg.overwrite:
+        raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
+                        f"--init_from=resume, write elsewhere with another --out_dir, or start "
+                        f"over with --overwrite (which replaces its checkpoint and log)")
+
+
 def setup_run(model, cfg, env, ckpt=None):
     """(model built for the run, optimizer, start iteration, best validation loss), from a resumed
     run's state (ckpt from load_run), or the weights it starts from, or scratch."""
@@ -381,6 +400,7 @@ def main(argv):
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None
     try:
+        common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")
         if cfg.init_from == "scratch":  # fail fast: refuse the plan before any download
             memory.check(mcfg, cfg, env)
         # the weights to start from: a checkpoint, a folder, GPT-2 (gpt2 ... gpt2-xl) or a Hub id

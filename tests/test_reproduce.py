@@ -234,6 +234,15 @@ def test_run_starts_the_lower_stage_first(tmp_path):
     assert order.read_text() == "2103"  # stage 1 (longest first), then 2, then 3
 
 
+def test_a_job_that_did_not_finish_starts_over_past_its_checkpoint(tmp_path):
+    """A killed job's folder holds its checkpoint, which train.py refuses to start a new run over:
+    run() starts the job over (as before), clearing what the earlier attempt left."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "ckpt.pt").write_text("an earlier attempt's")
+    refuses = f"import os, sys; sys.exit(os.path.exists({str(tmp_path / 'job' / 'ckpt.pt')!r}))"
+    assert reproduce.run([Job("job", python(refuses))], 1, lambda done: {}, tmp_path) == []
+
+
 def fake_row(job, folder, argv, seconds):
     return dict(**job.meta, val_loss=2.0, train_loss=1.9, tokens=1, flops=1.0, evals=[], argv=argv)
 
