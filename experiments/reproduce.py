@@ -205,11 +205,27 @@ def run(jobs, workers, results_of, runs, ledger=None):
     """Run the jobs, `workers` at a time with one thread each, each in its folder runs/<name>, a job once
     everything in its `after` is done; a job that already finished with the same command is skipped,
     as is one that `ledger` (a Ledger) holds with the same command; a finished job is recorded
-    in it. A job that did not finish starts over.
+    in it. A job that did not finish starts over. Ctrl-C stops the jobs under way too.
     The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
+    running = {}  # name: (folder, argv, process, log, start time)
+    try:
+        return schedule(jobs, workers, results_of, runs, ledger, running)
+    except BaseException as e:  # Ctrl-C, or an error here: no job is left running on its own
+        for _, _, proc, log, _ in running.values():
+            proc.terminate()
+            proc.wait()
+            log.close()
+        if isinstance(e, KeyboardInterrupt) and running:
+            raise KeyboardInterrupt(f"stopped the jobs under way too ({', '.join(running)}); the "
+                                    f"same command starts them again") from None
+        raise
+
+
+def schedule(jobs, workers, results_of, runs, ledger, running):
+    """run()'s loop; `running` holds the jobs under way, for run() to stop."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
-    done, failed, running = set(), set(), {}
+    done, failed = set(), set()
     bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
 
     def end(name, ok):
