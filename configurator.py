@@ -39,6 +39,12 @@ class Interrupted(UserError):
     exit_code, every_rank = 130, True
 
 
+class Diverged(UserError):
+    """A loss or gradient norm that is not finite in training (train.fit): every rank has it (they
+    are reduced over the processes), rank 0 says it."""
+    every_rank = True
+
+
 def int_range(text, key, high):
     """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within
     1..high."""

@@ -352,3 +352,91 @@ def test_an_export_to_a_disk_without_room_for_the_weights_is_one_line_before_any
     line = one_line(export.main, [f"--init_from={path}", f"--out={tmp_path / 'out'}"], capsys, monkeypatch)
     assert line.startswith(f"error: {tmp_path / 'out'} has 0.0 MiB free, and the weights alone take 0.")
     assert os.listdir(tmp_path / "out") == []
+
+
+# -- faults of a fault run on a04fbc2 (issue 38): weights and losses that are not finite ----------------
+
+def nan_checkpoint(tmp_path, value=float("nan"), export=False):
+    """A checkpoint whose weights hold one NaN (or `value`), or an exported folder of it."""
+    import checkpoints
+    import export as exporter
+    from test_sample import byte_model, save_model
+    model = byte_model().float()
+    path = save_model(tmp_path / "ok.pt", model)
+    if export:
+        exporter.export(path, str(tmp_path / "exp"))
+        from safetensors.torch import load_file, save_file
+        weights = load_file(tmp_path / "exp" / "model.safetensors")
+        weights["wte.weight"][5, 3] = value
+        save_file(weights, tmp_path / "exp" / "model.safetensors")
+        return str(tmp_path / "exp")
+    ckpt = checkpoints.load(path)
+    ckpt["model"]["wte.weight"][5, 3] = value
+    checkpoints.save(ckpt, str(tmp_path / "nan.pt"))
+    return str(tmp_path / "nan.pt")
+
+
+@pytest.mark.parametrize("value,export", [(float("nan"), False), (float("-inf"), False), (float("inf"), True)])
+def test_a_checkpoint_with_weights_that_are_not_finite_is_one_line_for_every_command(tmp_path, capsys,
+                                                                                     monkeypatch, value, export):
+    """analyze --spectral crashed in LAPACK (a segfault), sample.py's sampler raised on NaN probabilities,
+    finetune.py failed formatting a None, train.py trained at val loss nan, export.py exported the NaN (the
+    harness and experiments/eval.py load through the same checkpoints.load)."""
+    import export as exporter
+    path = nan_checkpoint(tmp_path, value, export)
+    expected = (f"error: {path} holds weights that are not finite: 1 of the 8,192 values of wte.weight are NaN "
+                f"or inf (a run that diverged?); use an earlier checkpoint")
+    for main, argv in [(analyze.main, ["--spectral", f"--out={tmp_path / 'a'}"]),
+                       (sample.main, ["--temperature=0", "--max_new_tokens=2"]),
+                       (finetune.main, ["--steps=2", "--lora", f"--out_dir={tmp_path / 'f'}"]),
+                       (train.main, [f"--out_dir={tmp_path / 't'}"]),
+                       (exporter.main, [f"--out={tmp_path / 'e'}"])]:
+        assert one_line(main, [f"--init_from={path}", *argv], capsys, monkeypatch) == expected
+    for folder in "afte":
+        assert not (tmp_path / folder).exists() or sorted(os.listdir(tmp_path / folder)) in ([], [".lock", ".lock.pid"])
+
+
+def test_finite_weights_whose_sum_overflows_float32_load(tmp_path):
+    """The check sums each tensor (NaN or inf anywhere makes the sum NaN or inf); a sum past float32's range
+    of finite values is no fault."""
+    import checkpoints
+    path = nan_checkpoint(tmp_path, value=3e38)
+    ckpt = checkpoints.load(path)
+    ckpt["model"]["wte.weight"][6, 3] = 3e38
+    checkpoints.save(ckpt, path)
+    model, _ = checkpoints.load_model(path)
+    assert model.wte.weight[6, 3] == 3e38
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient norm", "evaluated val loss"])
+def test_training_that_diverges_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                                     shakespeare, where):
+    """A NaN (or inf) loss or gradient norm at iteration 5, or validation loss at the evaluation of 6, after the
+    checkpoint of iteration 3: one line naming both, and ckpt.pt stays the one of iteration 3."""
+    import checkpoints
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                    "--max_iters=6", "--eval_interval=3")
+    real_step, real_evaluate = train.train_step, train.evaluate
+
+    def step(model, optimizer, batches, it, *a):
+        loss, norm, steps, skipped = real_step(model, optimizer, batches, it, *a)
+        if it == 5 and where == "loss":
+            loss = loss * float("nan")
+        if it == 5 and where == "gradient norm":
+            norm = norm * float("inf")
+        return loss, norm, steps, skipped
+
+    evaluations = []
+
+    def evaluate(*a):  # at iterations 0, 3 and 6
+        losses = real_evaluate(*a)
+        evaluations.append(losses)
+        return {**losses, "val": float("nan")} if where == "evaluated val loss" and len(evaluations) == 3 else losses
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    line = one_line(train.main, args, capsys, monkeypatch)
+    it, value = (6, "nan") if where == "evaluated val loss" else (5, "nan" if where == "loss" else "inf")
+    assert line == (f"error: training diverged: the {where} is {value} at iteration {it}; the last checkpoint, of "
+                    f"iteration 3 in {tmp_path / 'out'}/, is left as it was: --init_from=resume goes on from it (a "
+                    f"lower --learning_rate may avoid this)")
+    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 3
