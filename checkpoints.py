@@ -152,8 +152,8 @@ def check_finite(ckpt, path):
     """The checkpoint dict, if its weights (a model's, or adapters) are all finite; one with a NaN
     or an inf is one UserError: a model made of it computes NaN (the sampler's "probability tensor
     contains either inf, nan", LAPACK's errors in the analysis, NaN losses and scores). One sum per
-    tensor, which NaN or inf anywhere makes NaN or inf: one read of the weights, a fraction of a load
-    (docs/training.md; an isfinite mask costs 10x more)."""
+    tensor, which NaN or inf anywhere makes NaN or inf: one read of the weights, a fraction of a
+    load (docs/training.md; an isfinite mask costs 10x more)."""
     for name, w in {**(ckpt.get("model") or {}), **(ckpt.get("adapters") or {})}.items():
         if w.is_floating_point() and not torch.isfinite(w.sum(dtype=torch.float32)):
             bad = w.numel() - int(torch.isfinite(w).sum())  # (0: a sum past float32's range)

@@ -1,11 +1,11 @@
 """
-What checks of a checkpoint's weights cost against its load: a checksum, the reason checkpoints carry
-none, and the finiteness check that every load makes (docs/training.md, "Reliability").
+What checks of a checkpoint's weights cost against its load: a checksum, the reason checkpoints
+carry none, and the finiteness check that every load makes (docs/training.md, "Reliability").
 
     python -m experiments.checksum        # the default 3.4M model and GPT-2 small (124M), 1 thread
 
-For each model: checkpoints.load_model of a checkpoint file without its finiteness check (median of 6
-after a warm-up), a crc32 (zlib, about 1.6 GB/s here) over the loaded weights' bytes, and the
+For each model: checkpoints.load_model of a checkpoint file without its finiteness check (median of
+6 after a warm-up), a crc32 (zlib, about 1.6 GB/s here) over the loaded weights' bytes, and the
 finiteness check (checkpoints.check_finite) over them, in the same process, interleaved.
 """
 import contextlib
@@ -64,9 +64,9 @@ def main():
             checkpoints.check_finite(ckpt, path)
             times["finiteness"].append(time.perf_counter() - t0)
         load, crc, finite = (statistics.median(t[1:]) for t in times.values())
-        print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, load {1e3 * load:.1f} ms; crc32 "
-              f"of the weights {1e3 * crc:.1f} ms = {100 * crc / load:.0f}% of the load, the "
-              f"finiteness check {1e3 * finite:.1f} ms = {100 * finite / load:.0f}%")
+        print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, load {1e3 * load:.1f} ms; "
+              f"crc32 of the weights {1e3 * crc:.1f} ms = {100 * crc / load:.0f}% of the load, "
+              f"the finiteness check {1e3 * finite:.1f} ms = {100 * finite / load:.0f}%")
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def schedule(jobs, workers, results_of, runs, ledger, running):
                 del pending[job.name]
                 os.makedirs(folder, exist_ok=True)
                 for name in ("done", *train.RUN_FILES):  # an earlier attempt's: the job starts over
-                    path = os.path.join(folder, name)  # (train.py refuses a folder with a run in it)
+                    path = os.path.join(folder, name)  # (train.py refuses a folder holding a run)
                     if os.path.isdir(path):
                         shutil.rmtree(path)
                     elif os.path.exists(path):

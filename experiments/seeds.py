@@ -47,8 +47,9 @@ class SeedsConfig:
         int_range(self.seeds, "seeds", 2 ** 31)  # a ValueError: one line, before any work
         draws = self.draws.split(",")
         if not all(d.strip() in map(str, DRAWS) for d in draws) or len(set(draws)) < len(draws):
+            which = "; ".join(f"{d}: {what}" for d, what in DRAWS.items())
             raise ValueError(f"draws={self.draws!r}: use some of {','.join(map(str, DRAWS))}, "
-                             f"apart by commas ({'; '.join(f'{d}: {w}' for d, w in DRAWS.items())})")
+                             f"apart by commas ({which})")
         if self.jobs < 1:
             raise ValueError(f"jobs={self.jobs} must be at least 1")
 
@@ -68,8 +69,8 @@ def initial_weights(seed, draw, path):
 
 def record(cfg, seeds, draws):
     """The record --out holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}} (JSON's string
-    keys), with the finished runs of these seeds and draws added to it: the validation loss at the end and
-    at iteration 0, and the last evaluation's train loss."""
+    keys), with the finished runs of these seeds and draws added to it: the validation loss at the
+    end and at iteration 0, and the last evaluation's train loss."""
     out = {}
     if os.path.isfile(cfg.out):
         with open(cfg.out) as f:

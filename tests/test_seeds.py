@@ -57,13 +57,14 @@ def test_a_failed_run_never_erases_the_record_and_a_finished_one_is_added(tmp_pa
 def test_a_bad_flag_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, flag, message):
     for work in ("initial_weights", "run"):
         monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
-    line = one_line(seeds.main, [flag, f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"],
-                    capsys, monkeypatch)
+    argv = [flag, f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"]
+    line = one_line(seeds.main, argv, capsys, monkeypatch)
     assert line.startswith(message) and os.listdir(tmp_path) == []
 
 
 def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
-    """The tests run as root, who may write anywhere: a read-only file system's error is injected."""
+    """The tests run as root, who may write anywhere: a read-only file system's error is
+    injected."""
     real_open = open
 
     def read_only(path, *args, **kwargs):
