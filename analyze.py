@@ -42,7 +42,7 @@ from tqdm import tqdm
 import checkpoints
 import plots
 import prepare
-from configurator import UserError, make_dir, parse_config, run_main
+from configurator import UserError, make_dir, parse_config, run_main, written
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
@@ -172,7 +172,8 @@ def spectral(model, steps, times, out):
         arrays = dict(layer=grid_x, **dict(zip(names, grid)))
         x, xlabel = grid_x, "layer"
     os.makedirs(out, exist_ok=True)
-    np.savez(os.path.join(out, "spectral.npz"), **arrays)
+    with written(os.path.join(out, "spectral.npz")) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)
     titles = {"qk": "QK_h = Wq_h Wk_h^T", "ov": "OV_h = Wv_h Wo_h", "ffn": "FFN product W1 W2"}
     paths = [plots.spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel,
                             f"{titles[n]} ({cfg.model_type}, {cfg.flavor}, N = {steps})",
@@ -243,8 +244,9 @@ def cluster(ccfg, out):
     # (schedules, steps+1)
     clusters = np.array([[count_clusters(x, ccfg.cluster_cos) for x in path] for path in paths])
     os.makedirs(out, exist_ok=True)
-    np.savez(os.path.join(out, "cluster.npz"), t=t, trajectories=paths, clusters=clusters,
-             schedules=list(SCHEDULES), x0=x0, Q0=Q0, K0=K0, V0=V0)
+    with written(os.path.join(out, "cluster.npz")) as tmp, open(tmp, "wb") as f:
+        np.savez(f, t=t, trajectories=paths, clusters=clusters, schedules=list(SCHEDULES), x0=x0,
+                 Q0=Q0, K0=K0, V0=V0)
     rows = np.linspace(0, ccfg.sim_steps, 5).round().astype(int)
     table = [f"clusters among {ccfg.particles} particles (cosine >= {ccfg.cluster_cos}), "
              f"{'on the sphere' if ccfg.sphere else 'no projection'}, seed {ccfg.seed}",
@@ -252,7 +254,7 @@ def cluster(ccfg, out):
     table += [f"{name:<16}" + "".join(f"{c[r]:8d}" for r in rows)
               for name, c in zip(SCHEDULES, clusters)]
     print("\n".join(table))
-    with open(os.path.join(out, "cluster.txt"), "w") as f:
+    with written(os.path.join(out, "cluster.txt")) as tmp, open(tmp, "w") as f:
         f.write("\n".join(table) + "\n")
     png = plots.clusters(list(SCHEDULES), paths, t, clusters, ccfg,
                          os.path.join(out, "cluster.png"))
@@ -360,8 +362,9 @@ def lyapunov(model, tok, ids, steps, top, out):
                              for x, w in zip(xs, W)]).numpy()  # (N, H, T)
     tokens = [tok.decode([i]) for i in ids]
     os.makedirs(out, exist_ok=True)
-    np.savez(os.path.join(out, "lyapunov.npz"), tokens=np.array(ids), text=np.array(tokens),
-             exponents=exponents, scores=scores, attention=attention, steps=steps)
+    with written(os.path.join(out, "lyapunov.npz")) as tmp, open(tmp, "wb") as f:
+        np.savez(f, tokens=np.array(ids), text=np.array(tokens), exponents=exponents,
+                 scores=scores, attention=attention, steps=steps)
     mean_attention = attention.mean(axis=(0, 1))
     title = (f"{cfg.model_type} ({cfg.flavor}), "
              f"{steps} {'Euler steps' if cfg.is_ode else 'layers'}; "

@@ -128,7 +128,7 @@ def load(path, kind=MODEL, map_location="cpu"):
     if os.path.isdir(path):
         if MODEL not in kinds:
             raise UserError(f"{path} holds a model, not a {' or '.join(kinds)} checkpoint")
-        return load_folder(path)
+        return check_finite(load_folder(path), path)
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist (train one with `python train.py`, or "
                         f"pass --init_from=PATH)")
@@ -147,6 +147,22 @@ def load(path, kind=MODEL, map_location="cpu"):
         raise UserError(f"{path} holds a {found or 'foreign object'} checkpoint, not a "
                         f"{' or '.join(kinds)} checkpoint")
     ckpt.setdefault("tokenizer", "byte")  # the tokenizer of the first checkpoints, which lack it
+    return check_finite(ckpt, path)
+
+
+def check_finite(ckpt, path):
+    """The checkpoint dict, if its weights (a model's, or adapters) are all finite; one with a NaN
+    or an inf is one UserError: a model made of it computes NaN (the sampler's "probability tensor
+    contains either inf, nan", LAPACK's errors in the analysis, NaN losses and scores). One sum per
+    tensor, which NaN or inf anywhere makes NaN or inf: one read of the weights, a fraction of a
+    load (docs/training.md; an isfinite mask costs 10x more)."""
+    for name, w in {**(ckpt.get("model") or {}), **(ckpt.get("adapters") or {})}.items():
+        if w.is_floating_point() and not torch.isfinite(w.sum(dtype=torch.float32)):
+            bad = w.numel() - int(torch.isfinite(w).sum())  # (0: a sum past float32's range)
+            if bad:
+                raise UserError(f"{path} holds weights that are not finite: {bad:,} of the "
+                                f"{w.numel():,} values of {name} are NaN or inf (a run that "
+                                f"diverged?); use an earlier checkpoint")
     return ckpt
 
 

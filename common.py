@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import ConfigError, UserError, make_dir
+from configurator import ConfigError, UserError, make_dir, written
 
 # -- processes and devices -------------------------------------------------------------------------
 
@@ -199,8 +199,12 @@ def lock(out_dir, flag="out_dir"):
                 holder = f.read().strip() or holder
         raise UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it "
                         f"to finish or choose another --{flag}") from None
-    with open(pid_file, "w") as f:
-        f.write(f"pid {os.getpid()}")
+    try:
+        with written(pid_file) as tmp, open(tmp, "w") as f:  # a full disk: one line, no empty file
+            f.write(f"pid {os.getpid()}")
+    except UserError:
+        held.release()
+        raise
     for name in os.listdir(out_dir):
         if re.search(r"\.tmp\d*$", name):  # what save() and RunLog write before renaming
             os.remove(os.path.join(out_dir, name))

@@ -10,7 +10,9 @@ dataclass field that owns it and coerced to that field's type; an unknown key or
 ConfigError that names the valid keys; `--help` lists every key with its default. nanoGPT's
 exec-based configurator accepts typos and rejects `--steps 9` or `--lora`; this one does neither.
 """
+import contextlib
 import dataclasses
+import errno
 import inspect
 import math
 import os
@@ -38,6 +40,12 @@ class Interrupted(UserError):
     exit_code, every_rank = 130, True
 
 
+class Diverged(UserError):
+    """A loss or gradient norm that is not finite in training (train.fit): every rank has it (they
+    are reduced over the processes), rank 0 says it."""
+    every_rank = True
+
+
 def int_range(text, key, high):
     """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within
     1..high."""
@@ -60,6 +68,37 @@ def make_dir(path, flag):
         raise UserError(f"cannot write into --{flag}={path}: {why}; choose another --{flag}") \
             from None
     return path
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # full, over quota, read-only
+
+
+def write_error(path, error):
+    """The UserError of an OSError met while writing `path`: a full disk, a quota, a read-only
+    file system. numpy reports a short write without an errno ("Not enough free space to write N
+    bytes", or "N requested and 0 written"): a full disk too."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT, None)
+    why = error.strerror or str(error) or type(error).__name__
+    return UserError(f"could not write {path or 'a file'}: {why}"
+                     f"{'; free some space or write elsewhere' if full else ''}")
+
+
+@contextlib.contextmanager
+def written(path):
+    """Write a file atomically: the block writes the temporary path it is given (path + ".tmp"),
+    which is then renamed to `path`. A crash, Ctrl-C or full disk leaves no half-written or empty
+    file (the temporary one is removed) and the file before intact; an OSError (a full disk, a
+    quota, a read-only folder) is one UserError."""
+    tmp = path + ".tmp"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
+        raise
 
 
 def fields_of(*classes):
@@ -253,9 +292,10 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
 
 
 def run_main(main):
-    """Run a script's main(), turning the errors a user can fix into one line on stderr, and Ctrl-C
-    into one line and status 130 wherever it comes (a process started in the background by a shell
-    inherits SIGINT ignored: Ctrl-C is made to stop it all the same)."""
+    """Run a script's main(), turning the errors a user can fix into one line on stderr (a full
+    disk, a quota or a read-only file system too, wherever a file is written), and Ctrl-C into one
+    line and status 130 wherever it comes (a process started in the background by a shell inherits
+    SIGINT ignored: Ctrl-C is made to stop it all the same)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main(sys.argv[1:])
@@ -263,6 +303,11 @@ def run_main(main):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"stopped by Ctrl-C{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        print(f"error: {write_error(e.filename, e)}", file=sys.stderr)
+        sys.exit(UserError.exit_code)
     except UserError as e:
         if int(os.environ.get("RANK", 0)) == 0 or not e.every_rank:
             print(f"{'' if isinstance(e, Interrupted) else 'error: '}{e}", file=sys.stderr)

@@ -159,6 +159,16 @@ def umask_mode(out):
             os.chmod(os.path.join(out, name), 0o666 & ~umask)
 
 
+def check_space(model, out):
+    """Refuse a folder on a disk without room for the weights, before any file is written (the
+    safetensors writer fails on a full disk with an error of its own, not an OSError)."""
+    need = sum(w.numel() * w.element_size() for w in model.state_dict().values())
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise UserError(f"{out} has {free / 2 ** 20:,.1f} MiB free, and the weights alone take "
+                        f"{need / 2 ** 20:,.1f} MiB: free some space or choose another --out")
+
+
 def export(path, out, fmt="diffeqformer"):
     """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`."""
     model, ckpt = checkpoints.load_model(path)
@@ -168,6 +178,7 @@ def export(path, out, fmt="diffeqformer"):
     if fmt == "hf":
         hf_model = hf.to_transformers(model, tokenizer)  # refused before the folder is made
     make_dir(out, "out")
+    check_space(model, out)
     # a training run's folder (common.lock's .lock): refused while the run goes on, held meanwhile
     held = common.lock(out, "out") if os.path.exists(os.path.join(out, ".lock")) else None
     try:

@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from PIL import Image  # matplotlib's own dependency
 
+from configurator import written
+
 matplotlib.use("Agg")  # figures go to files only
 
 DPI = 100
@@ -32,7 +34,8 @@ def save_figure(fig, path):
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=DPI)
     plt.close(fig)
-    Image.open(buffer).convert("RGB").quantize(256).save(path, optimize=True)
+    with written(path) as tmp:  # a full disk: one line, no empty file
+        Image.open(buffer).convert("RGB").quantize(256).save(tmp, format="PNG", optimize=True)
 
 
 # -- training --------------------------------------------------------------------------------------
@@ -53,7 +56,8 @@ def loss_curve(log_path, png_path):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    with written(png_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
 
 
@@ -220,7 +224,7 @@ def shaded_html(tokens, rows, title, path):
                          f"color:{'white' if white[i] else 'black'}{outline}'>"
                          f"{html.escape(tok)}</span>")
         parts.append("</div>")
-    with open(path, "w", encoding="utf-8") as f:
+    with written(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write("".join(parts) + "\n")
     return path
 
@@ -253,7 +257,8 @@ def depth(results, trained, png_path):
     axes[0].set_ylabel("validation loss (nats/token)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    with written(png_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
 
 

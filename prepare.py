@@ -17,7 +17,6 @@ A directory whose meta.json records the same source and tokenizer is reused, not
 Differences from nanoGPT: one script for every dataset, byte tokens as well as tiktoken, and the
 meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
 """
-import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +27,7 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from configurator import UserError, make_dir, parse_config, run_main
+from configurator import UserError, make_dir, parse_config, run_main, written
 
 SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -102,24 +101,11 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-@contextlib.contextmanager
-def written(path):
-    """Write path + ".tmp" inside the block, then rename it to path: a crash or Ctrl-C leaves no
-    half-written file (the temporary one is removed)."""
-    try:
-        yield
-        os.replace(path + ".tmp", path)
-    except BaseException:
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
-        raise
-
-
 def write_tokens(ids, path, vocab_size):
     """Write ids as one raw array of token_dtype(vocab_size), atomically; returns how many."""
     arr = np.asarray(ids, dtype=token_dtype(vocab_size))
-    with written(path):
-        arr.tofile(path + ".tmp")
+    with written(path) as tmp:
+        arr.tofile(tmp)
     return len(arr)
 
 
@@ -212,8 +198,8 @@ def write_shards(dset, path, vocab_size):
     """write_tokens for a tokenised corpus too big to concatenate in memory: nanoGPT's loop over
     1024 shards. Returns the number of tokens."""
     n = int(np.sum(dset.with_format("numpy")["len"], dtype=np.int64))
-    with written(path):
-        arr = np.memmap(path + ".tmp", dtype=token_dtype(vocab_size), mode="w+", shape=(n,))
+    with written(path) as tmp:
+        arr = np.memmap(tmp, dtype=token_dtype(vocab_size), mode="w+", shape=(n,))
         total_batches, idx = min(1024, len(dset)), 0
         for i in tqdm(range(total_batches), desc=f"writing {path}"):
             shard = dset.shard(num_shards=total_batches, index=i, contiguous=True)
@@ -286,9 +272,8 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     meta = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
             "dtype": np.dtype(token_dtype(tok.vocab_size)).name,
             "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source}
-    with open(meta_path + ".tmp", "w") as f:
+    with written(meta_path) as tmp, open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
-    os.replace(meta_path + ".tmp", meta_path)
     return data_dir
 
 

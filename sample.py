@@ -44,7 +44,7 @@ class SampleConfig:
     start: str = "\n"  # the prompt, or FILE:path to read it from a file
     num_samples: int = 3
     max_new_tokens: int = 500
-    temperature: float = 0.8  # 0: greedy decoding (the argmax)
+    temperature: float = 0.8  # 0: greedy decoding (the argmax; so is any below 1.2e-38)
     top_k: int = 200  # sample among the k most likely tokens; 0: all of them
     top_p: float = 1.0  # nucleus sampling: the fewest tokens whose probability reaches top_p
     seed: int = 1337
@@ -76,12 +76,16 @@ class SampleConfig:
 # -- generation ------------------------------------------------------------------------------------
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
-    """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0; else a sample of
-    softmax(logits / temperature) over the top_k most likely tokens, then over the smallest set of
-    them whose probability reaches top_p (nucleus sampling; the likeliest token is always kept)"""
-    if temperature == 0:
+    """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0 (and below float32's
+    smallest normal number, 1.2e-38, its limit); else a sample of softmax(logits / temperature)
+    over the top_k most likely tokens, then over the smallest set of them whose probability reaches
+    top_p (nucleus sampling; the likeliest token is always kept)"""
+    if temperature < torch.finfo(torch.float32).tiny:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # shifted so that the largest is 0 (softmax is the same): a tiny temperature sends the others to
+    # -inf, never the largest to +inf (whose softmax is NaN)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         # v[:, -1:], a slice: indexing with a list makes an index tensor from host data, on CUDA a

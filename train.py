@@ -34,7 +34,8 @@ import common
 import plots
 import prepare
 import runlog
-from configurator import ConfigError, Interrupted, UserError, int_range, parse_config, run_main
+from configurator import (ConfigError, Diverged, Interrupted, UserError, int_range, parse_config,
+                          run_main)
 from model import MAX_STEPS, DiffEqFormer, ModelConfig
 from scale import memory, parallel, resume
 from scale.weightgen import WeightGenerator
@@ -49,6 +50,8 @@ class TrainConfig:
     out_dir: str = "out"
     init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
     # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights) or a Hub id to start from
+    overwrite: bool = False  # start a new run in an out_dir that holds a run's checkpoint, which
+                             # the new run replaces (without it such an out_dir is refused)
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
@@ -91,6 +94,9 @@ class TrainConfig:
     convert: str = ""  # a sharded checkpoint folder: write the one-file ckpt.pt beside it, and stop
 
     def __post_init__(self):
+        if self.overwrite and self.init_from == "resume":
+            raise ValueError("--overwrite starts a new run over out_dir's, --init_from=resume "
+                             "continues it: choose one")
         if self.train_steps:
             int_range(self.train_steps, "train_steps", MAX_STEPS)
         if self.parallel not in ("ddp", "fsdp"):
@@ -241,6 +247,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     log = runlog.RunLog(cfg, start_iter, env.master, {**asdict(cfg), **mcfg.to_dict()},
                         extra.get("wandb_id"))
     history, interrupt = [], common.Interrupt(env, cfg.out_dir)
+    saved = start_iter or None  # the iteration of out_dir's checkpoint (a resumed run's: its own)
     model.train()
     bar = tqdm(range(start_iter, end + 1), initial=start_iter, total=cfg.max_iters,
                disable=not env.master, dynamic_ncols=True, desc="train")
@@ -248,6 +255,9 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         evaluating = it % cfg.eval_interval == 0 or it == end
         if evaluating and (it > start_iter or start_iter == 0):  # a resumed run has evaluated it
             losses = evaluate(model, batches, cfg, env)
+            if not all(map(math.isfinite, losses.values())):  # stop before these weights are saved
+                split = "val" if not math.isfinite(losses["val"]) else "train"
+                raise diverged(it, f"evaluated {split} loss", losses[split], cfg.out_dir, saved)
             row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"],
                        val_ppl=math.exp(min(losses["val"], 50)))
             history.append(row)
@@ -260,6 +270,7 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
         if (evaluating and it > start_iter) or stop:
             state = dict(iter_num=it, best_val_loss=best_val_loss, wandb_id=log.wandb_id)
             resume.save_run(model, optimizer, state, cfg, env, extra)
+            saved = it
             if env.master:
                 plots.loss_curve(log.path, os.path.join(cfg.out_dir, "loss.png"))
         if stop:
@@ -276,6 +287,9 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
             dist.all_reduce(loss)
             loss /= env.world_size
         loss, norm = loss.item(), norm.item()  # the norm: every process's (FSDP2: all shards')
+        if not (skipped or math.isfinite(loss) and math.isfinite(norm)):  # (float16: skipped)
+            what, value = ("loss", loss) if not math.isfinite(loss) else ("gradient norm", norm)
+            raise diverged(it, what, value, cfg.out_dir, saved)
         dt = time.perf_counter() - t0
         tok_s = tokens_per_iter / dt
         row = dict(iter=it, loss=loss, lr=lr, tok_s=tok_s, grad_norm=norm)
@@ -293,6 +307,15 @@ def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=flo
     log.close()
     interrupt.close()
     return history
+
+
+def diverged(it, what, value, out_dir, saved):
+    """The one line that stops a run whose loss or gradient norm is not finite (NaN or inf), before
+    the weights it made are saved over the last good checkpoint; every rank stops (they agree)."""
+    last = (f"the last checkpoint, of iteration {saved} in {out_dir}/, is left as it was: "
+            f"--init_from=resume goes on from it (a lower --learning_rate may avoid this)"
+            if saved is not None else "no checkpoint was saved before it")
+    return Diverged(f"training diverged: the {what} is {value} at iteration {it}; {last}")
 
 
 # -- the script ------------------------------------------------------------------------------------
@@ -319,6 +342,20 @@ def check_launch(cfg, mcfg):
                   f"{world} processes (micro-steps per iteration over all processes together)")
         cfg = dataclasses.replace(cfg, gradient_accumulation_steps=rounded)
     return cfg
+
+
+RUN_FILES = ("ckpt.pt", "ckpt_sharded")  # what a run in out_dir resumes from
+
+
+def check_out_dir(cfg):
+    """Refuse to start a new run in an out_dir that holds a run's checkpoint, before anything is
+    written: it would be replaced (and its log) without a word. --init_from=resume continues it,
+    --overwrite starts over (as transformers' --overwrite_output_dir)."""
+    held = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, name))]
+    if held and cfg.init_from != "resume" and not cfg.overwrite:
+        raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
+                        f"--init_from=resume, write elsewhere with another --out_dir, or start "
+                        f"over with --overwrite (which replaces its checkpoint and log)")
 
 
 def setup_run(model, cfg, env, ckpt=None):
@@ -381,6 +418,7 @@ def main(argv):
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     lock = None
     try:
+        common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")
         if cfg.init_from == "scratch":  # fail fast: refuse the plan before any download
             memory.check(mcfg, cfg, env)
         # the weights to start from: a checkpoint, a folder, GPT-2 (gpt2 ... gpt2-xl) or a Hub id

@@ -1,12 +1,14 @@
 """
-What a checksum of a checkpoint's weights would cost against its load: the reason checkpoints carry
-none (docs/training.md, "Reliability").
+What checks of a checkpoint's weights cost against its load: a checksum, the reason checkpoints
+carry none, and the finiteness check that every load makes (docs/training.md, "Reliability").
 
     python -m experiments.checksum        # the default 3.4M model and GPT-2 small (124M), 1 thread
 
-For each model: checkpoints.load_model of a checkpoint file (median of 6 after a warm-up), and a crc32
-(zlib, about 1.6 GB/s here) over the loaded weights' bytes, in the same process, interleaved.
+For each model: checkpoints.load_model of a checkpoint file without its finiteness check (median of
+6 after a warm-up), a crc32 (zlib, about 1.6 GB/s here) over the loaded weights' bytes, and the
+finiteness check (checkpoints.check_finite) over them, in the same process, interleaved.
 """
+import contextlib
 import os
 import statistics
 import tempfile
@@ -32,6 +34,16 @@ def crc32(state_dict):
     return value
 
 
+@contextlib.contextmanager
+def unchecked():
+    """checkpoints.load without its finiteness check: the load alone."""
+    check, checkpoints.check_finite = checkpoints.check_finite, lambda ckpt, path: ckpt
+    try:
+        yield
+    finally:
+        checkpoints.check_finite = check
+
+
 def main():
     torch.set_num_threads(1)
     for name, shape in MODELS.items():
@@ -39,17 +51,22 @@ def main():
         path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
         checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(),
                               model=model.state_dict(), tokenizer="byte"), path)
-        loads, sums = [], []
+        times = {"load": [], "crc32": [], "finiteness": []}
         for _ in range(7):
             t0 = time.perf_counter()
-            _, ckpt = checkpoints.load_model(path)
-            loads.append(time.perf_counter() - t0)
+            with unchecked():
+                _, ckpt = checkpoints.load_model(path)
+            times["load"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             crc32(ckpt["model"])
-            sums.append(time.perf_counter() - t0)
-        load, check = statistics.median(loads[1:]), statistics.median(sums[1:])
-        print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, load {1e3 * load:.1f} ms, crc32 "
-              f"of the weights {1e3 * check:.1f} ms = {100 * check / load:.0f}% of the load")
+            times["crc32"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            checkpoints.check_finite(ckpt, path)
+            times["finiteness"].append(time.perf_counter() - t0)
+        load, crc, finite = (statistics.median(t[1:]) for t in times.values())
+        print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, load {1e3 * load:.1f} ms; "
+              f"crc32 of the weights {1e3 * crc:.1f} ms = {100 * crc / load:.0f}% of the load, "
+              f"the finiteness check {1e3 * finite:.1f} ms = {100 * finite / load:.0f}%")
 
 
 if __name__ == "__main__":

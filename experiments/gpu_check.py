@@ -44,7 +44,7 @@ import torch
 import common
 import runlog  # the peak and FLOP count of train.py's MFU
 import train
-from configurator import make_dir, parse_config, run_main
+from configurator import make_dir, parse_config, run_main, written
 from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
@@ -481,7 +481,7 @@ def profile_table(profile):
 
 def save(report, cfg, clock):
     report["elapsed_s"] = report["budget_s"] - clock.left()
-    with open(os.path.join(cfg.out, "gpu_check.json"), "w") as f:
+    with written(os.path.join(cfg.out, "gpu_check.json")) as tmp, open(tmp, "w") as f:
         json.dump(report, f, indent=1)
 
 
@@ -516,7 +516,7 @@ def main(argv):
     save(report, cfg, clock)
     text = table(report)
     print(text)
-    with open(os.path.join(cfg.out, "gpu_check.txt"), "w") as f:
+    with written(os.path.join(cfg.out, "gpu_check.txt")) as tmp, open(tmp, "w") as f:
         f.write(text + "\n")
     return report
 

@@ -48,6 +48,7 @@ from tqdm import tqdm
 import checkpoints
 import prepare
 import runlog
+import train
 from configurator import UserError, parse_config, run_main
 from model import DiffEqFormer, ModelConfig
 
@@ -204,11 +205,27 @@ def run(jobs, workers, results_of, runs, ledger=None):
     """Run the jobs, `workers` at a time with one thread each, each in its folder runs/<name>, a job once
     everything in its `after` is done; a job that already finished with the same command is skipped,
     as is one that `ledger` (a Ledger) holds with the same command; a finished job is recorded
-    in it.
+    in it. A job that did not finish starts over. Ctrl-C stops the jobs under way too.
     The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
+    running = {}  # name: (folder, argv, process, log, start time)
+    try:
+        return schedule(jobs, workers, results_of, runs, ledger, running)
+    except BaseException as e:  # Ctrl-C, or an error here: no job is left running on its own
+        for _, _, proc, log, _ in running.values():
+            proc.terminate()
+            proc.wait()
+            log.close()
+        if isinstance(e, KeyboardInterrupt) and running:
+            raise KeyboardInterrupt(f"stopped the jobs under way too ({', '.join(running)}); the "
+                                    f"same command starts them again") from None
+        raise
+
+
+def schedule(jobs, workers, results_of, runs, ledger, running):
+    """run()'s loop; `running` holds the jobs under way, for run() to stop."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
-    done, failed, running = set(), set(), {}
+    done, failed = set(), set()
     bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
 
     def end(name, ok):
@@ -239,8 +256,12 @@ def run(jobs, workers, results_of, runs, ledger=None):
             elif len(running) < workers:
                 del pending[job.name]
                 os.makedirs(folder, exist_ok=True)
-                if os.path.exists(os.path.join(folder, "done")):
-                    os.remove(os.path.join(folder, "done"))
+                for name in ("done", *train.RUN_FILES):  # an earlier attempt's: the job starts over
+                    path = os.path.join(folder, name)  # (train.py refuses a folder holding a run)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path)
+                    elif os.path.exists(path):
+                        os.remove(path)
                 log = open(os.path.join(folder, "stdout.log"), "w")
                 proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running[job.name] = (folder, argv, proc, log, time.time())

@@ -12,7 +12,10 @@ samples of it: this measures how much the default run's result depends on the dr
 (seed, draw) starts `python train.py --seed=S` (config/shakespeare.py, 1000 iterations) from the
 weights of that draw (`--init_from=` a file written here), with the training code of this commit.
 Jobs run two at a time with one thread each, as in experiments/reproduce.py, and a finished one is
-skipped when the script runs again. The table goes to stdout and --out (JSON).
+skipped when the script runs again. The record, --out (JSON, results/seeds.json), grows: each
+finished run is added to what it holds (a run of the same seed and draw replaces its entry), and a
+run that failed or was not asked for leaves its entry as it was. The table of the whole record goes
+to stdout.
 """
 import json
 import os
@@ -23,7 +26,7 @@ import torch
 
 import checkpoints
 import train
-from configurator import int_range, parse_config, run_main
+from configurator import int_range, make_dir, parse_config, run_main, written
 from experiments.reproduce import ROOT, Job, final_val_loss, run
 from model import DiffEqFormer, ModelConfig
 
@@ -35,10 +38,20 @@ DRAWS = {1: "this commit: seeded again before the build", 2: "76c5ab8 (before th
 class SeedsConfig:
     seeds: str = "1337-1344"  # a range of seeds
     draws: str = "1,2,3"  # which draws after torch.manual_seed(seed) make the initial weights
-    runs: str = "runs/seeds"  # every job's folder
+    runs: str = "runs/seeds"  # every job's folder, in the repository (where the jobs run)
     jobs: int = 2  # runs at a time, one thread each
-    out: str = "results/seeds.json"
+    out: str = "results/seeds.json"  # the record that every finished run is added to
     data_root: str = "data"
+
+    def __post_init__(self):
+        int_range(self.seeds, "seeds", 2 ** 31)  # a ValueError: one line, before any work
+        draws = self.draws.split(",")
+        if not all(d.strip() in map(str, DRAWS) for d in draws) or len(set(draws)) < len(draws):
+            which = "; ".join(f"{d}: {what}" for d, what in DRAWS.items())
+            raise ValueError(f"draws={self.draws!r}: use some of {','.join(map(str, DRAWS))}, "
+                             f"apart by commas ({which})")
+        if self.jobs < 1:
+            raise ValueError(f"jobs={self.jobs} must be at least 1")
 
 
 def initial_weights(seed, draw, path):
@@ -54,19 +67,24 @@ def initial_weights(seed, draw, path):
                      tokenizer="byte"), path)
 
 
-def summarise(cfg, seeds, draws):
-    """{draw: {seed: (val loss, train loss, val loss at iteration 0)}} of the finished runs."""
+def record(cfg, seeds, draws):
+    """The record --out holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}} (JSON's string
+    keys), with the finished runs of these seeds and draws added to it: the validation loss at the
+    end and at iteration 0, and the last evaluation's train loss."""
     out = {}
+    if os.path.isfile(cfg.out):
+        with open(cfg.out) as f:
+            out = json.load(f)
     for draw in draws:
-        out[draw] = {}
         for seed in seeds:
             folder = os.path.join(cfg.runs, f"seed{seed}-draw{draw}")
             if os.path.isfile(os.path.join(folder, "done")):
                 rows = [json.loads(line) for line in open(os.path.join(folder, "log.jsonl"))]
                 evals = [r for r in rows if "val_loss" in r]
-                out[draw][seed] = (final_val_loss(folder), evals[-1]["train_loss"],
-                                   evals[0]["val_loss"])
-    return out
+                out.setdefault(str(draw), {})[str(seed)] = dict(
+                    val_loss=final_val_loss(folder), train_loss=evals[-1]["train_loss"],
+                    val_loss_0=evals[0]["val_loss"])
+    return {d: dict(sorted(out[d].items())) for d in sorted(out)}
 
 
 def table(results):
@@ -75,12 +93,12 @@ def table(results):
     for draw, runs in results.items():
         if not runs:
             continue
-        vals = np.array([v[0] for v in runs.values()])
-        lines.append(f"| draw {draw}: {DRAWS[draw]} | {len(vals)} | "
+        vals = np.array([v["val_loss"] for v in runs.values()])
+        lines.append(f"| draw {draw}: {DRAWS[int(draw)]} | {len(vals)} | "
                      f"{' '.join(f'{v:.4f}' for v in vals)} | {vals.mean():.4f} | "
                      f"{vals.std(ddof=1) if len(vals) > 1 else 0:.4f} | "
                      f"{vals.min():.4f} .. {vals.max():.4f} |")
-    everything = np.array([v[0] for runs in results.values() for v in runs.values()])
+    everything = np.array([v["val_loss"] for runs in results.values() for v in runs.values()])
     if len(everything) > 1:
         lines.append(f"| all draws together | {len(everything)} | | {everything.mean():.4f} | "
                      f"{everything.std(ddof=1):.4f} | {everything.min():.4f} .. "
@@ -90,8 +108,12 @@ def table(results):
 
 def main(argv):
     cfg, _ = parse_config(argv, SeedsConfig)
+    cfg.out = os.path.abspath(cfg.out)
+    os.chdir(ROOT)  # --runs and --data_root are the repository's, as the jobs (run there) see them
     lo, hi = int_range(cfg.seeds, "seeds", 2 ** 31)
     seeds, draws = range(lo, hi + 1), [int(d) for d in cfg.draws.split(",")]
+    make_dir(cfg.runs, "runs")  # read-only, or a file in the way: one line, before any work
+    make_dir(os.path.dirname(cfg.out), "out")
     jobs = []
     for seed in seeds:
         for draw in draws:
@@ -102,14 +124,11 @@ def main(argv):
             jobs.append(Job(name, ["train.py", f"--seed={seed}", f"--init_from={init}",
                                    f"--out_dir={os.path.join(cfg.runs, name)}",
                                    f"--data_root={cfg.data_root}"]))
-    os.chdir(ROOT)
     failed = run(jobs, cfg.jobs, lambda done: {}, cfg.runs)
-    results = summarise(cfg, seeds, draws)
+    results = record(cfg, seeds, draws)
     print(table(results))
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
-    with open(cfg.out, "w") as f:
-        json.dump({str(d): {str(s): dict(val_loss=v[0], train_loss=v[1], val_loss_0=v[2])
-                            for s, v in runs.items()} for d, runs in results.items()}, f, indent=1)
+    with written(cfg.out) as tmp, open(tmp, "w") as f:  # a kill never leaves half a record
+        json.dump(results, f, indent=1)
     if failed:
         raise SystemExit(f"{len(failed)} runs failed: {', '.join(failed)}")
 

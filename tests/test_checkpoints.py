@@ -201,6 +201,8 @@ def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
     common.lock(str(tmp_path / "out")).release()  # free again once the holder is gone
 
 
+TINY_ARGS = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
+             "--batch_size=4", "--eval_iters=2"]
 AS_ON_WINDOWS = ("import os, warnings; sys.modules['fcntl'] = None; del os.sysconf; "  # neither
                  "warnings.filterwarnings('ignore', 'only soft file lock'); ")  # filelock's note
 
@@ -232,6 +234,32 @@ def test_a_killed_runs_lock_is_released_with_or_without_fcntl(tmp_path, shakespe
     done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert checkpoints.load(os.path.join(out, "ckpt.pt"))["iter_num"] == 1
+
+
+def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anything_is_written(
+        tmp_path, shakespeare, capsys, monkeypatch):
+    """A second train.py (or finetune.py) into an out_dir that holds a run, without --init_from=resume,
+    replaced its checkpoint and log without a word: it is refused in one line, before the data is prepared or
+    the lock taken; --overwrite starts over, and with --init_from=resume it is a contradiction."""
+    from test_faults import one_line
+    import finetune
+    base = [*TINY_ARGS, "--eval_interval=2", f"--input_file={shakespeare}", f"--out_dir={tmp_path / 'out'}"]
+    train.main([*base, "--max_iters=2", f"--data_root={tmp_path / 'data'}"])
+    before = {name: (tmp_path / "out" / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")}
+    again = [*base, "--max_iters=4", f"--data_root={tmp_path / 'data2'}"]
+    finetune_again = ["--steps=2", f"--init_from={tmp_path / 'out' / 'ckpt.pt'}", *again[-3:]]
+    for main, argv in ((train.main, again), (finetune.main, finetune_again)):
+        line = one_line(main, argv, capsys, monkeypatch)
+        assert line == (f"error: {tmp_path / 'out'} holds a run (ckpt.pt): continue it with --init_from=resume, "
+                        f"write elsewhere with another --out_dir, or start over with --overwrite (which replaces "
+                        f"its checkpoint and log)")
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
+    assert not (tmp_path / "data2").exists()  # refused before the data
+    line = one_line(train.main, [*again, "--overwrite", "--init_from=resume"], capsys, monkeypatch)
+    assert line == "error: --overwrite starts a new run over out_dir's, --init_from=resume continues it: choose one"
+    train.main([*again, "--overwrite"])
+    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 4
+    assert [json.loads(r)["iter"] for r in open(tmp_path / "out" / "log.jsonl") if "val_loss" in r] == [0, 2, 4]
 
 
 def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(tmp_path, shakespeare):

@@ -5,6 +5,7 @@ checkpoint intact."""
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,3 +305,178 @@ def test_resuming_a_finished_run_says_so(tmp_path, shakespeare, capsys):
 def test_a_module_run_as_a_script_says_what_it_is():
     done = subprocess.run([sys.executable, "hf.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("error: hf.py is a module, not a script")
+
+
+# -- faults of a fault run on a04fbc2 (issue 38): a full disk --------------------------------------------
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """full_disk(folder): every file opened for writing under `folder` is created, as on a disk that
+    has no room left, and every write to it fails with ENOSPC: it writes to /dev/full, which the
+    file descriptor is (numpy's tofile writes through it, past Python's file object)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux)")
+    real_open = open
+
+    def fill(folder):
+        def guarded(path, mode="r", *args, **kwargs):
+            if str(path).startswith(str(folder)) and set(mode) & set("wax+"):
+                real_open(path, mode, *args, **kwargs).close()  # the (empty) file is made
+                return real_open("/dev/full", mode.replace("x", "w"), *args, **kwargs)
+            return real_open(path, mode, *args, **kwargs)
+        monkeypatch.setattr("builtins.open", guarded)
+    return fill
+
+
+def empty_files(folder):
+    """The 0-byte files under folder, and the temporary files (filelock's .lock is empty by design)."""
+    return [os.path.join(root, n) for root, _, names in os.walk(folder) for n in names if n != ".lock" and
+            (os.path.getsize(os.path.join(root, n)) == 0 or ".tmp" in n)]
+
+
+def test_a_full_disk_is_one_line_wherever_a_file_is_written(tmp_path, capsys, monkeypatch):
+    """run_main: ENOSPC, EDQUOT and EROFS from any write are one line; other OSErrors keep their traceback."""
+    def main(error):
+        def write(argv):
+            raise OSError(error, os.strerror(error), "out/log.jsonl")
+        return write
+    line = one_line(main(errno.ENOSPC), [], capsys, monkeypatch)
+    assert line == "error: could not write out/log.jsonl: No space left on device; free some space or write elsewhere"
+    line = one_line(main(errno.EROFS), [], capsys, monkeypatch)
+    assert line == "error: could not write out/log.jsonl: Read-only file system"
+    with pytest.raises(OSError):
+        run_main(main(errno.EIO))
+
+
+def test_training_on_a_full_disk_is_one_line_and_leaves_no_empty_file(tmp_path, capsys, monkeypatch, shakespeare,
+                                                                      full_disk):
+    """The lock's pid file (out_dir), then the prepared tokens (data_root): numpy reports a full disk in its own
+    words ("Not enough free space to write ..."), without an errno."""
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}")
+    full_disk(tmp_path / "out")
+    line = one_line(train.main, args, capsys, monkeypatch)
+    assert line == f"error: could not write {tmp_path / 'out' / '.lock.pid'}: No space left on device; free some " \
+                   f"space or write elsewhere"
+    full_disk(tmp_path / "data")
+    line = one_line(train.main, args, capsys, monkeypatch)
+    assert line.startswith(f"error: could not write {tmp_path / 'data' / 'shakespeare_byte' / 'train.bin'}: ") \
+        and line.endswith("; free some space or write elsewhere")
+    assert empty_files(tmp_path) == []
+
+
+def test_analyze_and_the_gpu_check_on_a_full_disk_are_one_line_and_leave_no_empty_file(tmp_path, capsys,
+                                                                                      monkeypatch, full_disk):
+    from experiments import gpu_check
+    from test_sample import byte_model, save_model
+    path = save_model(tmp_path / "m.pt", byte_model())
+    full_disk(tmp_path / "out")
+    for mode in ("--lyapunov", "--spectral", "--cluster"):
+        line = one_line(analyze.main, [mode, f"--init_from={path}", "--times=2", "--prompt=ab", f"--out={tmp_path / 'out'}"],
+                        capsys, monkeypatch)
+        assert line.startswith(f"error: could not write {tmp_path / 'out'}/") and "No space left on device" in line
+    line = one_line(gpu_check.main, [f"--out={tmp_path / 'out'}", "--no-tests"], capsys, monkeypatch)
+    assert line == f"error: could not write {tmp_path / 'out' / 'gpu_check.json'}: No space left on device; " \
+                   f"free some space or write elsewhere"
+    assert empty_files(tmp_path / "out") == []
+
+
+def test_an_export_to_a_disk_without_room_for_the_weights_is_one_line_before_any_file(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """The safetensors writer fails on a full disk with an error of its own (SafetensorError): the room is
+    checked first."""
+    import export
+    from test_sample import byte_model, save_model
+    path = save_model(tmp_path / "m.pt", byte_model())
+    free = shutil.disk_usage(tmp_path)._replace(free=5000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: free)
+    line = one_line(export.main, [f"--init_from={path}", f"--out={tmp_path / 'out'}"], capsys, monkeypatch)
+    assert line.startswith(f"error: {tmp_path / 'out'} has 0.0 MiB free, and the weights alone take 0.")
+    assert os.listdir(tmp_path / "out") == []
+
+
+# -- faults of a fault run on a04fbc2 (issue 38): weights and losses that are not finite ----------------
+
+def nan_checkpoint(tmp_path, value=float("nan"), export=False):
+    """A checkpoint whose weights hold one NaN (or `value`), or an exported folder of it."""
+    import checkpoints
+    import export as exporter
+    from test_sample import byte_model, save_model
+    model = byte_model().float()
+    path = save_model(tmp_path / "ok.pt", model)
+    if export:
+        exporter.export(path, str(tmp_path / "exp"))
+        from safetensors.torch import load_file, save_file
+        weights = load_file(tmp_path / "exp" / "model.safetensors")
+        weights["wte.weight"][5, 3] = value
+        save_file(weights, tmp_path / "exp" / "model.safetensors")
+        return str(tmp_path / "exp")
+    ckpt = checkpoints.load(path)
+    ckpt["model"]["wte.weight"][5, 3] = value
+    checkpoints.save(ckpt, str(tmp_path / "nan.pt"))
+    return str(tmp_path / "nan.pt")
+
+
+@pytest.mark.parametrize("value,export", [(float("nan"), False), (float("-inf"), False), (float("inf"), True)])
+def test_a_checkpoint_with_weights_that_are_not_finite_is_one_line_for_every_command(tmp_path, capsys,
+                                                                                     monkeypatch, value, export):
+    """analyze --spectral crashed in LAPACK (a segfault), sample.py's sampler raised on NaN probabilities,
+    finetune.py failed formatting a None, train.py trained at val loss nan, export.py exported the NaN (the
+    harness and experiments/eval.py load through the same checkpoints.load)."""
+    import export as exporter
+    path = nan_checkpoint(tmp_path, value, export)
+    expected = (f"error: {path} holds weights that are not finite: 1 of the 8,192 values of wte.weight are NaN "
+                f"or inf (a run that diverged?); use an earlier checkpoint")
+    for main, argv in [(analyze.main, ["--spectral", f"--out={tmp_path / 'a'}"]),
+                       (sample.main, ["--temperature=0", "--max_new_tokens=2"]),
+                       (finetune.main, ["--steps=2", "--lora", f"--out_dir={tmp_path / 'f'}"]),
+                       (train.main, [f"--out_dir={tmp_path / 't'}"]),
+                       (exporter.main, [f"--out={tmp_path / 'e'}"])]:
+        assert one_line(main, [f"--init_from={path}", *argv], capsys, monkeypatch) == expected
+    for folder in "afte":
+        assert not (tmp_path / folder).exists() or sorted(os.listdir(tmp_path / folder)) in ([], [".lock", ".lock.pid"])
+
+
+def test_finite_weights_whose_sum_overflows_float32_load(tmp_path):
+    """The check sums each tensor (NaN or inf anywhere makes the sum NaN or inf); a sum past float32's range
+    of finite values is no fault."""
+    import checkpoints
+    path = nan_checkpoint(tmp_path, value=3e38)
+    ckpt = checkpoints.load(path)
+    ckpt["model"]["wte.weight"][6, 3] = 3e38
+    checkpoints.save(ckpt, path)
+    model, _ = checkpoints.load_model(path)
+    assert model.wte.weight[6, 3] == 3e38
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient norm", "evaluated val loss"])
+def test_training_that_diverges_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                                     shakespeare, where):
+    """A NaN (or inf) loss or gradient norm at iteration 5, or validation loss at the evaluation of 6, after the
+    checkpoint of iteration 3: one line naming both, and ckpt.pt stays the one of iteration 3."""
+    import checkpoints
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                    "--max_iters=6", "--eval_interval=3")
+    real_step, real_evaluate = train.train_step, train.evaluate
+
+    def step(model, optimizer, batches, it, *a):
+        loss, norm, steps, skipped = real_step(model, optimizer, batches, it, *a)
+        if it == 5 and where == "loss":
+            loss = loss * float("nan")
+        if it == 5 and where == "gradient norm":
+            norm = norm * float("inf")
+        return loss, norm, steps, skipped
+
+    evaluations = []
+
+    def evaluate(*a):  # at iterations 0, 3 and 6
+        losses = real_evaluate(*a)
+        evaluations.append(losses)
+        return {**losses, "val": float("nan")} if where == "evaluated val loss" and len(evaluations) == 3 else losses
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    line = one_line(train.main, args, capsys, monkeypatch)
+    it, value = (6, "nan") if where == "evaluated val loss" else (5, "nan" if where == "loss" else "inf")
+    assert line == (f"error: training diverged: the {where} is {value} at iteration {it}; the last checkpoint, of "
+                    f"iteration 3 in {tmp_path / 'out'}/, is left as it was: --init_from=resume goes on from it (a "
+                    f"lower --learning_rate may avoid this)")
+    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 3

@@ -262,7 +262,7 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
               f"--out_dir={tmp_path / 'ft'}"]
     finetune.main(["--steps", "3", f"--init_from={base}", "--max_iters=2", "--eval_interval=2", *target])
     adapters = str(tmp_path / "ft" / "adapters.pt")
-    pretrain(tmp_path, shakespeare, "--seed=7")  # the base retrained in place: another model at the same path
+    pretrain(tmp_path, shakespeare, "--seed=7", "--overwrite")  # the base retrained in place: another model
     with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
         finetune.main(["--merge", adapters])
     with pytest.raises(UserError, match="has changed since this fine-tuning run started"):

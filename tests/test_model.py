@@ -235,6 +235,34 @@ def test_reference_init_starts_near_identity():
     assert gptlike.hyper.proj.B_W.std() > 1e-3
 
 
+def test_the_first_loss_is_high_because_the_tied_head_gives_the_input_token_its_own_logit():
+    """At init="reference" the ODE barely moves (X(1) ~ X(0) = wte[i] + wpe[p]), and the tied head scores
+    each position's own input token i with <LN(X(0)), wte[i]>: C s_e^2 / sqrt(s_e^2 + s_p^2 + eps), with
+    wte ~ N(0, 0.02^2) and an ODE's wpe ~ N(0, 0.01^2) (init_weights) and LayerNorm's eps 1e-5; every other
+    token ~N(0, C s_e^2). The first loss is then log(e^logit + (V - 1) e^(C s_e^2 / 2)), above ln V: 13.67
+    at GPT-2 small's shape, where the logit is 13.6 (experiments/first_loss.py). init="gpt" starts the ODE
+    as a GPT that moves X: the logit falls below half, the loss towards ln V (docs/differences.md)."""
+    C, V, T = 256, 512, 64
+    expected = C * 0.02 ** 2 / math.sqrt(0.02 ** 2 + 0.01 ** 2 + 1e-5)  # 4.53
+    tokens = torch.randint(V, (4, T + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    for init in ("reference", "gpt"):
+        torch.manual_seed(0)
+        model = DiffEqFormer(ModelConfig(vocab_size=V, block_size=T, n_layer=3, n_head=4, n_embd=C, d_t=8,
+                                         time_freqs=8, init=init)).eval()
+        with torch.no_grad():
+            logits, loss = model(x, y)
+            own = logits.gather(-1, x[..., None])[..., 0]  # (B, T): each position's own input token
+            unmoved = (model.ln_f(model.wte(x) + model.wpe(torch.arange(T))) * model.wte(x)).sum(-1)
+        if init == "reference":
+            assert (own - unmoved).abs().max() < 1e-3 * expected  # the ODE has barely moved X
+            assert own.mean().item() == pytest.approx(expected, rel=0.02)
+            first = math.log(math.exp(expected) + (V - 1) * math.exp(C * 0.02 ** 2 / 2))  # 6.45
+            assert loss.item() == pytest.approx(first, abs=0.1) and loss.item() > math.log(V) + 0.1
+        else:
+            assert own.mean().item() < 0.5 * expected and loss.item() < math.log(V) + 0.1
+
+
 # -- training machinery ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_type", ["diffeq", "baseline"])

@@ -8,8 +8,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from configurator import UserError, run_main
-from prepare import get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens, written
+from configurator import UserError, run_main, written
+from prepare import get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens
 
 from conftest import ROOT, SHARED, tokenizer_or_skip
 
@@ -232,15 +232,15 @@ def test_the_real_tiny_shakespeare(tmp_path, shakespeare):
     assert bytes(load_tokens(data_dir, "train")[:14].tolist()) == b"First Citizen:"
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
-def test_a_token_file_is_whole_or_not_there(tmp_path, error):
-    """prepare.written: a crash or Ctrl-C while path + ".tmp" is written leaves neither it nor a half
-    path; the file before stays as it was."""
+@pytest.mark.parametrize("error,raised", [(KeyboardInterrupt, KeyboardInterrupt), (OSError, UserError)])
+def test_a_token_file_is_whole_or_not_there(tmp_path, error, raised):
+    """configurator.written: a crash, Ctrl-C or full disk while path + ".tmp" is written leaves neither it nor
+    a half path; the file before stays as it was; an OSError is one line (a UserError)."""
     path = str(tmp_path / "train.bin")
     write_tokens([1, 2, 3], path, 256)
-    with pytest.raises(error):
-        with written(path):
-            with open(path + ".tmp", "wb") as f:
+    with pytest.raises(raised):
+        with written(path) as tmp:
+            with open(tmp, "wb") as f:
                 f.write(b"half")
             raise error
     assert os.listdir(tmp_path) == ["train.bin"] and list(np.fromfile(path, dtype=np.uint16)) == [1, 2, 3]

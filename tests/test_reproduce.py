@@ -1,6 +1,7 @@
 """experiments/reproduce.py: the job graph, the choice of each model's learning rate, and the page's tables."""
 import json
 import os
+import signal
 
 import pytest
 
@@ -232,6 +233,35 @@ def test_run_starts_the_lower_stage_first(tmp_path):
             for i, (stage, cost) in enumerate([(2, 1.0), (1, 1.0), (1, 5.0), (3, 9.0)])]
     assert reproduce.run(jobs, 1, lambda done: {}, tmp_path) == []
     assert order.read_text() == "2103"  # stage 1 (longest first), then 2, then 3
+
+
+def test_ctrl_c_stops_the_jobs_under_way_too(tmp_path, monkeypatch):
+    """Ctrl-C (SIGINT to the script alone) left its train.py child running as an orphan."""
+    pid = tmp_path / "pid"
+    job = Job("long", python(f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); "
+                             f"time.sleep(600)"))
+
+    def ctrl_c(seconds):  # the loop waits for its jobs here: Ctrl-C once the job has begun
+        if pid.exists() and pid.read_text():
+            raise KeyboardInterrupt
+    monkeypatch.setattr(reproduce.time, "sleep", ctrl_c)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        reproduce.run([job], 1, lambda done: {}, tmp_path)
+    try:
+        os.kill(int(pid.read_text()), signal.SIGKILL)  # an orphan: ended here, and the test fails
+        pytest.fail("the job runs on after Ctrl-C")
+    except ProcessLookupError:  # ended and reaped
+        pass
+    assert str(stopped.value) == "stopped the jobs under way too (long); the same command starts them again"
+
+
+def test_a_job_that_did_not_finish_starts_over_past_its_checkpoint(tmp_path):
+    """A killed job's folder holds its checkpoint, which train.py refuses to start a new run over:
+    run() starts the job over (as before), clearing what the earlier attempt left."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "ckpt.pt").write_text("an earlier attempt's")
+    refuses = f"import os, sys; sys.exit(os.path.exists({str(tmp_path / 'job' / 'ckpt.pt')!r}))"
+    assert reproduce.run([Job("job", python(refuses))], 1, lambda done: {}, tmp_path) == []
 
 
 def fake_row(job, folder, argv, seconds):

@@ -264,6 +264,16 @@ def test_sampling_makes_no_tensor_from_host_data(filters):
     assert "aten.lift_fresh.default" not in ops.names, sorted(ops.names)
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-50, 1e-37, 1e-30])
+def test_a_temperature_that_underflows_is_greedy_decoding(temperature):
+    """logits / 1e-45 overflowed to inf (float32's smallest step is 1.4e-45; 1e-50 is 0 there), and softmax
+    of inf is NaN: "probability tensor contains either inf, nan or element < 0". The limit of sampling as
+    the temperature goes to 0 is the argmax, and so is every temperature too small to tell from it."""
+    logits = torch.tensor([[-3.0, 90.0, 80.0, 95.0, -1e4], [5.0, 4.0, -2.0, 1.0, 0.0]])
+    for kwargs in ({}, dict(top_k=2), dict(top_p=0.9)):
+        assert sample_next(logits, temperature, **kwargs).flatten().tolist() == [3, 0]
+
+
 # -- sample.py ----------------------------------------------------------------------------------------------
 
 def save_model(path, model, tokenizer="byte"):

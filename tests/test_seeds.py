@@ -1,0 +1,80 @@
+"""experiments/seeds.py: its record grows and a failed run never erases what it holds; a bad flag is
+one line before any work."""
+import errno
+import json
+import os
+
+import pytest
+
+from experiments import seeds
+from test_faults import one_line
+from test_reproduce import write_log
+
+RECORDED = {"1": {"1337": dict(val_loss=1.99, train_loss=1.88, val_loss_0=5.53),
+                  "1338": dict(val_loss=2.01, train_loss=1.86, val_loss_0=5.57)},
+            "2": {"1337": dict(val_loss=1.96, train_loss=1.85, val_loss_0=5.55)}}
+
+
+def finish(runs, name, val_losses):
+    """A job folder as run() leaves a finished train.py run: its log and its `done` file."""
+    write_log(runs / name, val_losses)
+    (runs / name / "done").write_text(json.dumps(dict(seconds=1.0, argv=[])))
+
+
+def test_a_failed_run_never_erases_the_record_and_a_finished_one_is_added(tmp_path, monkeypatch,
+                                                                           capsys):
+    """The fault run's command (one seed, one draw) failed and overwrote a 24-run record with
+    {"1": {}}: now the record keeps what it held, and gains what finished."""
+    out, runs = tmp_path / "seeds.json", tmp_path / "runs"
+    out.write_text(json.dumps(RECORDED))
+    monkeypatch.setattr(seeds, "initial_weights", lambda seed, draw, path: None)  # no model build
+    monkeypatch.setattr(seeds, "run", lambda jobs, *a: [job.name for job in jobs  # unfinished: fail
+                                                        if not (runs / job.name / "done").exists()])
+    argv = ["--seeds=1339-1340", "--draws=1", f"--runs={runs}", f"--out={out}"]
+    with pytest.raises(SystemExit, match="2 runs failed: seed1339-draw1, seed1340-draw1"):
+        seeds.main(argv)
+    assert json.loads(out.read_text()) == RECORDED
+    finish(runs, "seed1340-draw1", [5.5, 2.0])  # finished after all
+    finish(runs, "seed1337-draw1", [5.4, 1.9])  # again, with another result: it replaces the old
+    with pytest.raises(SystemExit, match="2 runs failed: seed1338-draw1, seed1339-draw1"):
+        seeds.main(["--seeds=1337-1340", *argv[1:]])
+    record = json.loads(out.read_text())
+    assert record["1"]["1340"] == dict(val_loss=2.0, train_loss=2.0, val_loss_0=5.5)
+    assert record["1"]["1337"] == dict(val_loss=1.9, train_loss=1.9, val_loss_0=5.4)
+    assert record["1"]["1338"] == RECORDED["1"]["1338"] and record["2"] == RECORDED["2"]
+    assert "| draw 1: " in capsys.readouterr().out  # the table of the whole record
+    assert [n for n in os.listdir(tmp_path) if ".tmp" in n] == []
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--seeds=5-1", "error: seeds='5-1': use a whole number or a range like 3-9"),
+    ("--seeds=abc", "error: seeds='abc': use a whole number or a range like 3-9"),
+    ("--draws=x", "error: draws='x': use some of 1,2,3, apart by commas (1: this commit"),
+    ("--draws=4", "error: draws='4': use some of 1,2,3"),
+    ("--draws=1,1", "error: draws='1,1': use some of 1,2,3"),
+    ("--jobs=0", "error: jobs=0 must be at least 1"),
+])
+def test_a_bad_flag_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, flag, message):
+    for work in ("initial_weights", "run"):
+        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    argv = [flag, f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"]
+    line = one_line(seeds.main, argv, capsys, monkeypatch)
+    assert line.startswith(message) and os.listdir(tmp_path) == []
+
+
+def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """The tests run as root, who may write anywhere: a read-only file system's error is
+    injected."""
+    real_open = open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path / "runs")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr("builtins.open", read_only)
+    for work in ("initial_weights", "run"):
+        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    line = one_line(seeds.main, [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"],
+                    capsys, monkeypatch)
+    assert line == f"error: cannot write into --runs={tmp_path / 'runs'}: Read-only file system; " \
+                   f"choose another --runs"
