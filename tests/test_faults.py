@@ -206,7 +206,7 @@ def test_analyze_with_a_file_as_out_is_one_line(tmp_path, capsys, monkeypatch):
     assert line.endswith("it is a file, not a folder; choose another --out")
 
 
-def full_disk(monkeypatch):
+def torch_save_on_a_full_disk(monkeypatch):
     """torch.save fails from now on as it does on a full disk: it writes, then raises its own error from
     the OSError."""
     real_save = torch.save
@@ -224,7 +224,7 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_
                     "--max_iters=4", "--eval_interval=2")
     train.main([*args, "--stop_at=2"])
     before = (tmp_path / "out" / "ckpt.pt").read_bytes()
-    full_disk(monkeypatch)
+    torch_save_on_a_full_disk(monkeypatch)
     capsys.readouterr()
     line = one_line(train.main, [*args, "--init_from=resume"], capsys, monkeypatch)
     assert line == f"error: could not write {tmp_path / 'out' / 'ckpt.pt'}: No space left on device; what was " \
@@ -242,7 +242,7 @@ def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(t
     layers = lora.add_lora(byte_model().materialize(3), rank=2)
     adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), base, checkpoints.file_hash(base), 3)
     checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
-    full_disk(monkeypatch)
+    torch_save_on_a_full_disk(monkeypatch)
     line = one_line(finetune.main, [f"--merge={tmp_path / 'adapters.pt'}"], capsys, monkeypatch)
     assert line == f"error: could not write {tmp_path / 'merged.pt'}: No space left on device; nothing was written"
     out = tmp_path / "out"
