@@ -129,7 +129,8 @@ def save_folder(model, tokenizer, out, facts):
     and, where transformers is installed, its tokenizer files."""
     from safetensors.torch import save_file
     cfg = model.cfg
-    end = dict(bos_token_id=50256, eos_token_id=50256) if tokenizer == "gpt2" else {}
+    end = dict(bos_token_id=50256, eos_token_id=50256, pad_token_id=50256) \
+        if tokenizer == "gpt2" else {}  # bytes: no end-of-text token (the tokenizer pads with 0)
     config = dict(format="diffeqformer", model_config=cfg.to_dict(), tokenizer=tokenizer,
                   val_loss=validation_loss(facts), model_type="diffeqformer",
                   architectures=["DiffEqFormerForCausalLM"], auto_map=AUTO_MAP, **end)

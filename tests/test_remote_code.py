@@ -74,6 +74,8 @@ def test_the_tokenizer_and_a_pipeline_read_the_folder(exported):
     same_tokens(exported["diffeq"], "byte")
     tokenizer_or_skip("gpt2")
     same_tokens(exported["shared"], "gpt2")  # exported with GPT-2's tokenizer
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported["shared"], trust_remote_code=True)
+    assert tokenizer.pad_token_id == auto(exported["shared"]).generation_config.pad_token_id == 50256
     generator = transformers.pipeline("text-generation", model=exported["diffeq"], trust_remote_code=True)
     text = generator("ROMEO:", max_new_tokens=10, do_sample=False)[0]["generated_text"]
     ours, _ = checkpoints.load_model(exported["diffeq"])
