@@ -138,8 +138,8 @@ def save_folder(model, tokenizer, out, facts):
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:  # no KV cache: the window
-        json.dump(dict(use_cache=False, **end), f, indent=1)  # is recomputed for every token
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(end, f, indent=1)
     for name, source in REMOTE_CODE.items():
         shutil.copyfile(source, os.path.join(out, name))
     if importlib.util.find_spec("transformers"):  # AutoTokenizer's tokenizer.json

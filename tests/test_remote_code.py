@@ -4,9 +4,14 @@ logits and sample.py's greedy tokens, past the context too; `steps` and `solver`
 ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_eval --model hf`
 scores the local tasks as this project's harness does. Skipped without transformers."""
 import importlib.util
+import sys
+from unittest import mock
+from unittest.mock import DEFAULT
 
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 import checkpoints
 import export
@@ -44,8 +49,10 @@ def test_remote_code_gives_the_projects_logits_and_greedy_tokens(kind, saved, ex
     with torch.no_grad():
         assert torch.equal(theirs(idx).logits, ours(idx)[0])
         n = TINY["block_size"] - 12 + 8
-        greedy = theirs.generate(idx, max_new_tokens=n, do_sample=False)
-    assert torch.equal(greedy, sample.generate(ours, idx, n, temperature=0))
+        expected = sample.generate(ours, idx, n, temperature=0)
+        for use_cache in (True, False):  # the KV cache (generate's default), and recomputation
+            greedy = theirs.generate(idx, max_new_tokens=n, do_sample=False, use_cache=use_cache)
+            assert torch.equal(greedy, expected), use_cache
 
 
 def test_an_ode_loads_at_another_depth_and_solver(saved, exported):  # noqa: F811
@@ -111,3 +118,145 @@ def test_lm_eval_hf_scores_the_folder_as_the_harness_does(tmp_path):
         for s in ours["samples"][task]:
             for (ll, greedy), (ll_hf, greedy_hf) in zip((r[0] for r in s["resps"]), (r[0] for r in theirs[s["doc_id"]])):
                 assert float(ll_hf) == pytest.approx(float(ll), abs=1e-5) and greedy_hf == greedy
+
+
+# -- what a transformers user meets next: padded batches, the KV cache, saving, training ----------
+
+def padded(prompts, side):
+    """(input_ids, attention_mask) of prompts of different lengths, padded on `side` with id 0."""
+    T = max(map(len, prompts))
+    ids, mask = torch.zeros(len(prompts), T, dtype=torch.long), torch.zeros(len(prompts), T, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        at = slice(T - len(prompt), T) if side == "left" else slice(0, len(prompt))
+        ids[row, at], mask[row, at] = torch.tensor(prompt), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_padded_batch_gives_each_prompt_alone(kind, side, saved, exported):  # noqa: F811
+    """Prompts of 3 lengths padded on either side: every real position's logits, and the greedy
+    tokens with and without the KV cache, are those of each prompt alone (sample.py's), 24 tokens
+    past the longest prompt, so past the context of 32 (a GPT-flavour model re-reads windows)."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    theirs = auto(exported[kind])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (5, 12, 9)]
+    ids, mask = padded(prompts, side)
+    n = 24
+    with torch.no_grad():
+        logits = theirs(ids, attention_mask=mask).logits
+        greedy = [theirs.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                  use_cache=use_cache)[:, ids.size(1):] for use_cache in (True, False)]
+        for row, prompt in enumerate(prompts):
+            alone = torch.tensor([prompt])
+            torch.testing.assert_close(logits[row][mask[row].bool()], ours(alone)[0][0], rtol=1e-5, atol=1e-5)
+            expected = sample.generate(ours, alone, n, temperature=0)[0, len(prompt):]
+            assert torch.equal(greedy[0][row], expected) and torch.equal(greedy[1][row], expected), row
+
+
+def test_generate_runs_one_position_per_token_through_the_cache(saved, exported):  # noqa: F811
+    """An ODE at 4 midpoint steps (8 evaluations of F): the prompt in one pass, then one position
+    per new token; the cache has a layer per evaluation (config.num_hidden_layers) and its weights
+    are generated once (one hypernetwork call per generation); the tokens are those without the
+    cache and sample.py's."""
+    ours, _ = checkpoints.load_model(saved["diffeq"])
+    theirs = auto(exported["diffeq"], steps=4, solver="midpoint")
+    fed, hyper_calls = [], []
+    theirs.model.register_forward_pre_hook(lambda m, args: fed.append(args[0].size(1)))
+    theirs.model.hyper.register_forward_hook(lambda m, args, out: hyper_calls.append(1))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = theirs.generate(idx, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+        assert fed == [7] + [1] * 9 and len(hyper_calls) == 1
+        assert len(out.cache.layers) == 8 and out.cache.get_seq_length() == 16
+        mine = transformers.DynamicCache(config=theirs.config)  # a cache made as transformers does:
+        assert theirs(idx, cache=mine).cache is mine and len(mine.layers) == 8  # a layer each
+        assert torch.equal(out.sequences, theirs.generate(idx, max_new_tokens=10, do_sample=False, use_cache=False))
+        assert torch.equal(out.sequences, sample.generate(ours, idx, 10, temperature=0, steps=4, solver="midpoint"))
+
+
+def test_a_pipeline_batches_prompts(exported):
+    """pipeline(..., batch_size=3) pads with the folder's tokenizer (its pad token, on the left) and
+    gives each prompt its text alone."""
+    generator = transformers.pipeline("text-generation", model=exported["llama"], trust_remote_code=True)
+    prompts = ["ROMEO:", "JULIET: O ROMEO, ROMEO!", "A"]  # (bytes of the tiny vocabulary, < 96)
+    batched = generator(prompts, batch_size=3, max_new_tokens=12, do_sample=False)
+    assert generator.tokenizer.pad_token_id == 0
+    for prompt, out in zip(prompts, batched):
+        assert out == generator(prompt, max_new_tokens=12, do_sample=False)
+
+
+def test_gradient_checkpointing_is_transformers_switch(exported):
+    """gradient_checkpointing_enable() (and activation_checkpointing_enable()) turns on model.py's
+    checkpointing: the same gradients, F evaluated again in the backward pass; disable turns it off."""
+    theirs = auto(exported["diffeq"]).train()
+    module = sys.modules[type(theirs.model).__module__]  # the folder's model.py
+    calls = []
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+
+    def gradients():
+        theirs.zero_grad()
+        calls.clear()
+        theirs(idx, labels=idx).loss.backward()
+        return [p.grad.clone() for p in theirs.parameters()], len(calls)
+
+    counted = dict(wraps=module.vector_field, side_effect=lambda *args: calls.append(1) or DEFAULT)
+    with mock.patch.object(module, "vector_field", **counted):
+        plain, plain_calls = gradients()
+        with pytest.warns(FutureWarning):  # transformers 5 renamed it; both names work
+            theirs.gradient_checkpointing_enable()
+        assert theirs.model.cfg.checkpoint and theirs.is_activation_checkpointing
+        recomputed, recomputed_calls = gradients()
+        theirs.activation_checkpointing_disable()
+        assert not theirs.model.cfg.checkpoint
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, recomputed))
+    assert (plain_calls, recomputed_calls) == (3, 6)  # 3 Euler steps, each recomputed once
+
+
+@pytest.mark.parametrize("kind", ["diffeq", "gpt", "llama"])
+def test_inputs_longer_than_the_context(kind, saved, exported):  # noqa: F811
+    """No silent shape change: every position's logits come back. A GPT-flavour token past
+    block_size gets the logits of its last block_size tokens (sample.py's window), a Llama one
+    attends to the last block_size (model.py's sliding window); labels give a loss."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    theirs = auto(exported[kind])
+    L = TINY["block_size"]
+    idx = torch.randint(0, TINY["vocab_size"], (2, L + 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = theirs(idx, labels=idx)
+        assert out.logits.shape == (2, L + 9, TINY["vocab_size"])
+        if kind == "llama":
+            expected = ours(idx)[0]
+        else:
+            windows = [ours(idx[:, i - L + 1:i + 1])[0][:, -1:] for i in range(L, L + 9)]
+            expected = torch.cat([ours(idx[:, :L])[0]] + windows, 1)
+        torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss, F.cross_entropy(expected[:, :-1].flatten(0, 1), idx[:, 1:].flatten()))
+
+
+def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # noqa: F811
+    """A folder without wte.weight (and one time-MLP weight): transformers reports them "newly
+    initialized", and they are, by model.py's init (std 0.02), the rest as the folder holds them."""
+    export.export(saved["diffeq"], str(tmp_path))
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = {name: weights.pop(name) for name in ("wte.weight", "hyper.attn.B_W")}
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    theirs = auto(tmp_path)
+    state = theirs.model.state_dict()
+    assert all(torch.equal(state[name], w) for name, w in weights.items())
+    for name in dropped:  # init="gpt": B_W drawn as a GPT weight
+        assert abs(state[name].std().item() - 0.02) < 0.002 and not torch.equal(state[name], dropped[name])
+    assert theirs(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_bad_arguments_are_one_line(exported):
+    theirs = auto(exported["gpt"])
+    idx = torch.randint(0, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match="counts positions from attention_mask: pass no position_ids"):
+        theirs(idx, position_ids=torch.arange(8)[None])
+    with pytest.raises(ValueError, match=r"attention_mask is \(1, 5\): 0 cached and 8 new tokens need \(1, 8\)"):
+        theirs(idx, attention_mask=torch.ones(1, 5))
+    cache = theirs(idx).cache  # 8 positions cached; 30 more go past the context of 32
+    with pytest.raises(ValueError, match="re-reads each token's window: call it without a cache"):
+        theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
