@@ -19,6 +19,8 @@ weights are model.safetensors as the project writes them. As transformers' GPT-2
   token. That window moves with every token, so such a model generates past its context without
   the cache.
 """
+import os
+import shutil
 from typing import NamedTuple
 
 import torch
@@ -211,3 +213,11 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             next_sequence_length, cache, kwargs["use_cache"] = None, None, False
         return super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save, with the model card (README.md) of the folder this model came
+        from, which transformers does not write."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        card = os.path.join(self.name_or_path, "README.md")
+        if os.path.isfile(card) and not os.path.exists(os.path.join(save_directory, "README.md")):
+            shutil.copyfile(card, os.path.join(save_directory, "README.md"))

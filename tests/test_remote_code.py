@@ -4,6 +4,7 @@ logits and sample.py's greedy tokens, past the context too; `steps` and `solver`
 ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_eval --model hf`
 scores the local tasks as this project's harness does. Skipped without transformers."""
 import importlib.util
+import os
 import sys
 from unittest import mock
 from unittest.mock import DEFAULT
@@ -185,6 +186,27 @@ def test_a_pipeline_batches_prompts(exported):
     assert generator.tokenizer.pad_token_id == 0
     for prompt, out in zip(prompts, batched):
         assert out == generator(prompt, max_new_tokens=12, do_sample=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_pretrained_comes_back_everywhere(kind, saved, exported, tmp_path, capsys):  # noqa: F811
+    """export -> transformers -> save_pretrained -> the project (checkpoints.load_model, sample.py)
+    and transformers again, with the same logits; exported again, the same weights; the card kept."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    auto(exported[kind]).save_pretrained(tmp_path / "saved")
+    project, ckpt = checkpoints.load_model(str(tmp_path / "saved"))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(project(idx)[0], ours(idx)[0])
+        assert torch.equal(auto(tmp_path / "saved")(idx).logits, ours(idx)[0])
+    sample.main([f"--init_from={tmp_path / 'saved'}", "--max_new_tokens=3", "--num_samples=1",
+                 "--start=!"])  # (id 0 in GPT-2: in the tiny vocabulary)
+    assert f"{tmp_path / 'saved'}: {ours.cfg.model_type}" in capsys.readouterr().err
+    export.export(str(tmp_path / "saved"), str(tmp_path / "again"))
+    first, again = (load_file(os.path.join(d, "model.safetensors")) for d in (exported[kind], tmp_path / "again"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    assert ckpt["tokenizer"] == ("gpt2" if kind == "shared" else "byte")
+    assert open(tmp_path / "saved" / "README.md").read() == open(os.path.join(exported[kind], "README.md")).read()
 
 
 def test_gradient_checkpointing_is_transformers_switch(exported):
