@@ -5,6 +5,8 @@ ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_e
 scores the local tasks as this project's harness does. Skipped without transformers."""
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 from unittest import mock
 from unittest.mock import DEFAULT
@@ -17,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import checkpoints
 import export
 import sample
-from conftest import TINY, tokenizer_or_skip
+from conftest import ROOT, TINY, tokenizer_or_skip
 from test_export import KINDS, saved, same_tokens  # noqa: F401 (saved: the fixture of every kind)
 
 transformers = pytest.importorskip("transformers")
@@ -282,3 +284,30 @@ def test_bad_arguments_are_one_line(exported):
     cache = theirs(idx).cache  # 8 positions cached; 30 more go past the context of 32
     with pytest.raises(ValueError, match="re-reads each token's window: call it without a cache"):
         theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
+
+
+# -- the folder's card and lm-eval's command ------------------------------------------------------
+
+def code_blocks(card, language):
+    return re.findall(rf"```{language}\n(.*?)```", card, re.S)
+
+
+@pytest.mark.parametrize("fmt", ["diffeqformer", "hf"])
+def test_the_cards_commands_run_as_printed(fmt, saved, tmp_path):  # noqa: F811
+    """The card's Python (transformers alone, from another directory) and its shell commands (from
+    the repository) run as printed; AutoTokenizer asks no question; the Hub reads it as transformers'."""
+    folder = str(tmp_path / "folder")
+    export.main([f"--init_from={saved['llama']}", f"--out={folder}", f"--format={fmt}"])
+    card = open(os.path.join(folder, "README.md")).read()
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    python, shell = code_blocks(card, "python"), code_blocks(card, "bash")
+    assert len(python) == 1 and len(shell) == (fmt == "diffeqformer")
+    if fmt == "diffeqformer":
+        assert "AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)" in python[0]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", python[0]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL)  # (a question to the user would fail, not wait)
+    assert run.returncode == 0, run.stderr
+    for command in "".join(shell).splitlines():
+        run = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode == 0 and "baseline (llama)" in run.stderr, run.stderr
