@@ -6,6 +6,7 @@ scores the local tasks as this project's harness does. Skipped without transform
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from unittest import mock
@@ -311,3 +312,19 @@ def test_the_cards_commands_run_as_printed(fmt, saved, tmp_path):  # noqa: F811
     for command in "".join(shell).splitlines():
         run = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
         assert run.returncode == 0 and "baseline (llama)" in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(shutil.which("lm_eval") is None or importlib.util.find_spec("accelerate") is None,
+                    reason="needs lm-eval's lm_eval command and accelerate: pip install -r requirements-eval.txt")
+def test_the_installed_lm_eval_runs_the_local_tasks_from_any_directory(tmp_path):
+    """`lm_eval` as installed (its script's folder on the path, not the repository) reads the
+    Shakespeare tasks, which import prepare.py, from another directory (~30 s: lm-eval's start)."""
+    from test_sample import random_model, save_model
+    folder = tmp_path / "folder"
+    export.export(save_model(tmp_path / "ode.pt", random_model(vocab_size=256, block_size=128)), str(folder))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    model_args = f"pretrained={folder},trust_remote_code=True,prefix_token_id=10"
+    tasks = ["--tasks", "shakespeare_choice", "--include_path", os.path.join(ROOT, "experiments", "tasks")]
+    run = subprocess.run(["lm_eval", "--model", "hf", "--model_args", model_args, *tasks, "--device=cpu", "--limit=1"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "|shakespeare_choice|" in run.stdout.replace(" ", ""), run.stderr[-2000:]
