@@ -155,8 +155,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits of input_ids, the tokens after the cache's, through it: evaluation j of F attends
         to layer j's keys and values, each token to the real ones among those before it, the last
         block_size of them (a sliding window), at most block_size new tokens per pass (model.py's
-        bound on tokens fed through caches). A pad before every real token sees none: SDPA gives
-        it zeros."""
+        bound on tokens fed through caches)."""
         L, (B, T), device = self.model.cfg.block_size, input_ids.shape, input_ids.device
         kv = [Evaluation(cache, j) for j in range(len(weights))]
         past, logits = cache.get_seq_length(), []
@@ -166,6 +165,8 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             k = torch.arange(end, device=device)  # (S,): every key, cached and new
             seen = real[:, None, :end] & (k <= q[:, None]) \
                 & (count[:, q, None] - count[:, None, :end] < L)  # (B, t, S)
+            seen |= k == q[:, None]  # a pad before every real token sees itself: an attention
+            # kernel may give NaN for a row that sees nothing, and 0 x NaN reaches the real tokens
             pos = (count[:, q] - 1).clamp(min=0)  # (B, t): real tokens before each
             context = Context(pos, seen[:, None], kv)  # seen[:, None]: the mask of every head
             logits.append(self.run(input_ids[:, start:start + L], weights, context))

@@ -159,6 +159,23 @@ def test_a_padded_batch_gives_each_prompt_alone(kind, side, saved, exported):  #
             assert torch.equal(greedy[0][row], expected) and torch.equal(greedy[1][row], expected), row
 
 
+def test_a_left_pad_is_never_a_row_that_sees_nothing(saved, exported):  # noqa: F811
+    """An attention kernel may give NaN for a query that sees no key (PyTorch's CPU kernel gives
+    0): under one that does, a left-padded batch through the cache still gives each prompt's logits."""
+    def attention_of_softmax(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        scores = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5
+        if is_causal:
+            attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+        return scores.masked_fill(~attn_mask, float("-inf")).softmax(-1) @ v  # an empty row: NaN
+
+    ours, _ = checkpoints.load_model(saved["diffeq"])
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    ids, mask = padded(prompts, "left")
+    with torch.no_grad(), mock.patch.object(F, "scaled_dot_product_attention", attention_of_softmax):
+        logits = auto(exported["diffeq"])(ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[1, -2:], ours(torch.tensor(prompts[1:]))[0][0], rtol=1e-5, atol=1e-5)
+
+
 def test_generate_runs_one_position_per_token_through_the_cache(saved, exported):  # noqa: F811
     """An ODE at 4 midpoint steps (8 evaluations of F): the prompt in one pass, then one position
     per new token; the cache has a layer per evaluation (config.num_hidden_layers) and its weights
