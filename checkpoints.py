@@ -9,8 +9,9 @@ a path into a model.
 A checkpoint is a dict with a "kind" (MODEL, ADAPTERS or LORA_RUN), the model config and the
 weights, loaded with weights_only=True: no code in a file runs. `load` is the one function that
 opens a checkpoint: a ckpt.pt (torch.save), a folder that export.py wrote (config.json,
-model.safetensors), a transformers GPT-2 or Llama folder (hf.py maps its weights), or a Hub id
-downloaded into the Hugging Face cache. Sharded FSDP2 folders are scale/resume.py's.
+model.safetensors) or that transformers saved from one (save_pretrained), a transformers GPT-2 or
+Llama folder (hf.py maps its weights), or a Hub id downloaded into the Hugging Face cache.
+Sharded FSDP2 folders are scale/resume.py's.
 """
 import hashlib
 import json
@@ -95,8 +96,9 @@ def read_config(path):
 
 
 def load_folder(path):
-    """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors), or of
-    a transformers GPT2LMHeadModel or LlamaForCausalLM folder (hf.py maps its weights)."""
+    """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors) or
+    transformers saved from one, or of a transformers GPT2LMHeadModel or LlamaForCausalLM folder
+    (hf.py maps its weights)."""
     config = read_config(path)
     if config.get("format") != "diffeqformer":
         model_config, weights, tokenizer, source = hf.from_transformers(path, config)
@@ -112,6 +114,10 @@ def load_folder(path):
     except Exception as e:  # missing, truncated, not safetensors
         raise UserError(f"{path}/model.safetensors is missing or unreadable "
                         f"({type(e).__name__}); export the folder again") from None
+    # transformers' save_pretrained of the remote model names the weights model.*: its
+    # DiffEqFormerForCausalLM holds the DiffEqFormer as .model (remote/modeling_diffeqformer.py)
+    if weights and all(k.startswith("model.") for k in weights):
+        weights = {k[len("model."):]: w for k, w in weights.items()}
     return {"kind": MODEL, "model_config": config["model_config"], "model": weights,
             "tokenizer": config["tokenizer"], "optimizer": None, "iter_num": 0,
             "best_val_loss": config.get("val_loss")}

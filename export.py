@@ -79,8 +79,9 @@ def validation_loss(facts):
     return None if loss is None or loss == float("inf") else loss
 
 
-def model_card(model, tokenizer, facts, source, fmt):
-    """README.md of the folder: what the model is, how it was trained, how to load it, its loss."""
+def model_card(model, tokenizer, facts, source, fmt, name):
+    """README.md of the folder: what the model is, how it was trained, how to load it (from `name`,
+    the folder or its Hub id, by commands that run as printed), its loss."""
     cfg, loss = model.cfg, validation_loss(facts)
     depth = f"{cfg.n_layer} {cfg.solver} steps" if cfg.is_ode else f"{cfg.n_layer} layers"
     train = facts.get("train_config") or {}
@@ -99,17 +100,24 @@ def model_card(model, tokenizer, facts, source, fmt):
         trained = f"LoRA adapters {facts['merged_from']} merged into their base"
     if fmt == "hf":
         cls = "GPT2LMHeadModel" if cfg.flavor == "gpt" else "LlamaForCausalLM"
-        load = (f"from transformers import {cls}\nmodel = {cls}.from_pretrained(DIR)  "
-                f"# or: lm_eval --model hf --model_args pretrained=DIR")
+        load = [f"from transformers import {cls}, AutoTokenizer", f"DIR = {json.dumps(name)}",
+                f"model = {cls}.from_pretrained(DIR)",
+                "tokenizer = AutoTokenizer.from_pretrained(DIR)"]
+        shell = []
     else:
-        load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # runs "
-                "this folder's code: read it first\n"
-                "tokenizer = AutoTokenizer.from_pretrained(DIR)\n"
-                "# in DiffEqFormer's repository: model, ckpt = checkpoints.load_model(DIR), or "
-                "python sample.py --init_from=DIR")
+        load = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+                f"DIR = {json.dumps(name)}",
+                "# trust_remote_code runs this folder's code (model.py and 2 files): read it first",
+                "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)",
+                "tokenizer = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)"]
+        shell = ["", "In DiffEqFormer's repository (`checkpoints.load_model(DIR)` in Python):", "",
+                 "```bash", f"python sample.py --init_from={name} --max_new_tokens=100", "```"]
+    load += ['batch = tokenizer(["ROMEO:", "JULIET: O"], return_tensors="pt", padding=True,',
+             '                  padding_side="left")',
+             "tokens = model.generate(**batch, max_new_tokens=40, do_sample=False)",
+             "print(tokenizer.batch_decode(tokens, skip_special_tokens=True))"]
     return "\n".join([
-        "---", "library_name: " + ("transformers" if fmt == "hf" else "pytorch"),
+        "---", "library_name: transformers",
         "tags: [diffeqformer, neural-ode, transformer]", "---", "",
         f"# {cfg.model_type} ({cfg.flavor}) model of DiffEqFormer", "",
         f"A {cfg.model_type} model in the {cfg.flavor} flavour from DiffEqFormer, a reference "
@@ -121,7 +129,7 @@ def model_card(model, tokenizer, facts, source, fmt):
         "## Validation loss", "",
         f"{loss:.4f} nats per token ({tokenizer} tokens)." if loss is not None else
         "Not recorded in the checkpoint.", "",
-        "## Loading", "", "```python", load, "```", ""])
+        "## Loading", "", "```python", *load, "```", *shell, ""])
 
 
 def save_folder(model, tokenizer, out, facts):
@@ -130,7 +138,8 @@ def save_folder(model, tokenizer, out, facts):
     and, where transformers is installed, its tokenizer files."""
     from safetensors.torch import save_file
     cfg = model.cfg
-    end = dict(bos_token_id=50256, eos_token_id=50256) if tokenizer == "gpt2" else {}
+    end = dict(bos_token_id=50256, eos_token_id=50256, pad_token_id=50256) \
+        if tokenizer == "gpt2" else {}  # bytes: no end-of-text token (the tokenizer pads with 0)
     config = dict(format="diffeqformer", model_config=cfg.to_dict(), tokenizer=tokenizer,
                   val_loss=validation_loss(facts), model_type="diffeqformer",
                   architectures=["DiffEqFormerForCausalLM"], auto_map=AUTO_MAP, **end)
@@ -138,8 +147,8 @@ def save_folder(model, tokenizer, out, facts):
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:  # no KV cache: the window
-        json.dump(dict(use_cache=False, **end), f, indent=1)  # is recomputed for every token
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(end, f, indent=1)
     for name, source in REMOTE_CODE.items():
         shutil.copyfile(source, os.path.join(out, name))
     if importlib.util.find_spec("transformers"):  # AutoTokenizer's tokenizer.json
@@ -169,8 +178,9 @@ def check_space(model, out):
                         f"{need / 2 ** 20:,.1f} MiB: free some space or choose another --out")
 
 
-def export(path, out, fmt="diffeqformer"):
-    """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`."""
+def export(path, out, fmt="diffeqformer", name=None):
+    """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`, which
+    its card loads as `name` (default: out; a Hub id where it is pushed)."""
     model, ckpt = checkpoints.load_model(path)
     tokenizer = ckpt["tokenizer"]
     facts = history(path) if os.path.isfile(path) else {k: v for k, v in ckpt.items()
@@ -188,7 +198,7 @@ def export(path, out, fmt="diffeqformer"):
         else:
             save_folder(model, tokenizer, out, facts)
         with open(os.path.join(out, "README.md"), "w") as f:
-            f.write(model_card(model, tokenizer, facts, path, fmt))
+            f.write(model_card(model, tokenizer, facts, path, fmt, name or out))
         umask_mode(out)
     finally:
         if held:
@@ -210,7 +220,7 @@ def push(out, repo_id):
 
 def main(argv):
     cfg, _ = parse_config(argv, ExportConfig)
-    model = export(cfg.init_from, cfg.out, cfg.format)
+    model = export(cfg.init_from, cfg.out, cfg.format, cfg.push_to_hub or cfg.out)
     kind = "transformers" if cfg.format == "hf" else "diffeqformer"
     print(f"{cfg.init_from}: {model.cfg.model_type} ({model.cfg.flavor}), "
           f"{model.num_params():,} parameters -> {cfg.out}/ ({kind} format: "

@@ -181,7 +181,10 @@ def transformers_tokenizer(name, max_length):
         tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                 use_regex=False)
         tok.decoder = tokenizers.decoders.ByteLevel()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length)
+        # byte 0 pads a batch (its positions are masked, any id would do); split_special_tokens:
+        # text is read byte by byte even where it holds the pad's character
+        return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length,
+                                       pad_token=char[0], split_special_tokens=True)
     import base64
     import tempfile
     encoding = prepare.get_tokenizer(name).enc
@@ -192,9 +195,9 @@ def transformers_tokenizer(name, max_length):
                          for token, rank in encoding._mergeable_ranks.items())
         tok = TikTokenConverter(vocab_file=ranks, pattern=encoding._pat_str,
                                 extra_special_tokens=encoding._special_tokens).converted()
-    end = "<|endoftext|>"  # GPT-2's: begins and ends a text
+    end = "<|endoftext|>"  # GPT-2's: begins and ends a text, and pads a batch
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length,
-                                   bos_token=end, eos_token=end)
+                                   bos_token=end, eos_token=end, pad_token=end)
 
 
 if __name__ == "__main__":  # a module of export.py and train.py: say so, rather than nothing

@@ -3,54 +3,222 @@ DiffEqFormer as a transformers causal LM (remote code: export.py copies this fil
 with configuration_diffeqformer.py and the project's model.py, so the maths is written once):
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # steps=12: deeper
-    tokenizer = AutoTokenizer.from_pretrained(DIR)
+    tokenizer = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)
 
 It serves every model the project makes (DiffEqFormer at its steps and solver, weight sharing, GPT
 and Llama baselines, materialised and merged models): `self.model` is model.py's DiffEqFormer, the
-weights are model.safetensors as the project writes them. generate() recomputes the last block_size
-tokens for every new token (no KV cache: transformers' cache holds one attention per layer, an ODE
-has one per solver stage; sample.py decodes with its own caches). Padding on the left is refused:
-the model places tokens by their index, not by an attention mask.
+weights are model.safetensors as the project writes them. As transformers' GPT-2 and Llama do:
+
+* attention_mask marks a row's real tokens, padded on either side: no token attends to a pad, and
+  a token's position counts the real tokens before it (position_ids are the mask's, not taken);
+* generate() keeps a KV cache, DiffEqFormerCache, with a layer for each evaluation of F (an ODE
+  attends once per solver stage of every step): one position per new token;
+* past block_size a Llama-flavour token attends to the last block_size real tokens (a sliding
+  window), and a GPT-flavour token gets the logits of its last block_size tokens read afresh at
+  positions 0..block_size-1 (its learned positions end there): sample.py's decoding, token for
+  token. That window moves with every token, so such a model generates past its context without
+  the cache.
 """
+import os
+import shutil
+from typing import NamedTuple
+
+import torch
 import torch.nn.functional as F
-from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_diffeqformer import DiffEqFormerConfig
-from .model import DiffEqFormer, ModelConfig
+from .model import Context, DiffEqFormer, ModelConfig
+
+WINDOWS_PER_PASS = 64  # GPT-flavour tokens past the context re-read per pass (bounds the memory)
+
+
+class DiffEqFormerCache(DynamicCache):
+    """transformers' DynamicCache with a layer for each evaluation of F (added as it is first
+    written), and the block weights of every evaluation, made at a generation's first pass and
+    kept, as sample.py keeps them: an ODE's hypernetwork runs once per generation, not per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = None
+
+
+class Evaluation(NamedTuple):
+    """Layer j of a transformers Cache, as model.py's attention writes into it (Context.kv)."""
+    cache: Cache
+    j: int
+
+    def update(self, slots, k, v):  # k, v (B, nh, T, hs) go after the cached keys and values
+        return self.cache.update(k, v, self.j)
 
 
 class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DiffEqFormerConfig
     base_model_prefix = "model"  # model.safetensors names the weights as DiffEqFormer does
     main_input_name = "input_ids"
+    supports_gradient_checkpointing = True  # model.py's own (gradient_checkpointing, below)
 
     def __init__(self, config):
         super().__init__(config)
         self.model = DiffEqFormer(ModelConfig(**config.model_config))
         self.post_init()  # transformers' bookkeeping (tied weights: none; the GPT head reads wte)
 
-    def _init_weights(self, module):  # every weight comes from model.safetensors
-        pass
+    def _init_weights(self, module):
+        """The weights of `module` that the folder lacks (transformers calls them "newly
+        initialized"), as model.py initialises them; the loaded ones are left as they are."""
+        missing = {id(p) for p in module.parameters(recurse=False)
+                   if not getattr(p, "_is_hf_initialized", False)}
+        if missing:
+            self.model.init_weights(local=lambda p: (p, 0) if id(p) in missing else (p[:0], 0))
 
-    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+    def get_input_embeddings(self):  # (transformers' tools that feed or adapt the embeddings)
+        return self.model.wte
+
+    @property
+    def gradient_checkpointing(self):
+        """transformers' switch (gradient_checkpointing_enable()): model.py's cfg.checkpoint, which
+        recomputes each evaluation of F in the backward pass (in training mode)."""
+        return self.model.cfg.checkpoint
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enable):
+        self.model.cfg.checkpoint = enable
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        return False  # generate() lets forward make its cache: a DiffEqFormerCache
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
+                logits_to_keep=0, **kwargs):
         """Logits (B, T, vocab) of input_ids, and the mean cross-entropy of labels shifted by one
-        (transformers' convention, -100 ignored). A GPT-flavour model reads at most block_size
-        tokens: longer inputs keep their last block_size, whose logits come back."""
-        if attention_mask is not None and (attention_mask[:, :1] == 0).any():
-            raise ValueError("DiffEqFormer places tokens by their index: pad on the right")
-        cfg = self.model.cfg
-        if cfg.flavor == "gpt" and input_ids.size(1) > cfg.block_size:
-            if labels is not None:
-                raise ValueError(f"{input_ids.size(1)} tokens with labels; at most "
-                                 f"{cfg.block_size}")
-            input_ids = input_ids[:, -cfg.block_size:]
-        logits, _ = self.model(input_ids, steps=self.config.steps, solver=self.config.solver)
+        (transformers' convention, -100 ignored); a pad's logits are those of the last real token
+        before it. With a cache, input_ids follow its tokens and attention_mask covers both.
+        logits_to_keep=k: the last k positions' logits (0: all)."""
+        if kwargs.get("position_ids") is not None:
+            raise ValueError("DiffEqFormer counts positions from attention_mask: pass no "
+                             "position_ids")
+        if not isinstance(logits_to_keep, int) or (labels is not None and logits_to_keep):
+            raise ValueError(f"logits_to_keep={logits_to_keep!r}: the last k positions (an int), "
+                             f"0 (every position) with labels")
+        cfg, (B, T) = self.model.cfg, input_ids.shape
+        past = 0 if cache is None else cache.get_seq_length()
+        real = torch.ones(B, past + T, dtype=torch.bool, device=input_ids.device) \
+            if attention_mask is None else attention_mask.bool()
+        if real.shape != (B, past + T):
+            raise ValueError(f"attention_mask is {tuple(real.shape)}: {past} cached and {T} new "
+                             f"tokens need ({B}, {past + T})")
+        count = real.cumsum(-1)  # (B, S): a row's real tokens up to each token, itself included
+        if cfg.flavor == "gpt" and count[:, -1].max() > cfg.block_size:  # its window moves
+            if past:
+                raise ValueError(f"past block_size={cfg.block_size} a GPT-flavour model re-reads "
+                                 f"each token's window: call it without a cache")
+            cache = None
+        elif cache is None and (self.config.use_cache if use_cache is None else use_cache) \
+                and not self.training:  # (training keeps none: checkpointing recomputes attention)
+            cache = DiffEqFormerCache()
+        steps, solver = self.model.check_steps(self.config.steps, self.config.solver)
+        weights = self.step_weights(cache, steps, solver)
+        kept = torch.arange(max(T - logits_to_keep, 0) if logits_to_keep else 0, T,
+                            device=input_ids.device)  # the columns whose logits come back
+        if cache is None:
+            logits = self.recomputed(input_ids, real, count, weights, kept)
+        else:  # a pad takes the logits of the last real token before it (right-padded prompts
+            logits = self.cached(input_ids, real, count, cache, weights)  # generate as alone)
+            col = torch.arange(T, device=input_ids.device)
+            last_real = torch.where(real[:, past:], col, -1).cummax(dim=1).values  # (B, T)
+            source = torch.where(last_real >= 0, last_real, col)[:, kept]
+            logits = logits.gather(1, source[..., None].expand(-1, -1, logits.size(-1)))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=-100)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        return dict(input_ids=input_ids, attention_mask=attention_mask)
+    def step_weights(self, cache, steps, solver):
+        """The block weights of every evaluation of F: a DiffEqFormerCache's, made once per
+        generation (without gradients), else made for this pass."""
+        if not isinstance(cache, DiffEqFormerCache) or torch.is_grad_enabled():
+            return self.model.step_weights(steps, solver)
+        if cache.weights is None:
+            cache.weights = self.model.step_weights(steps, solver)
+        return cache.weights
+
+    def run(self, idx, weights, context):
+        """model.py's logits of idx at this model's steps and solver, with these weights."""
+        return self.model(idx, steps=self.config.steps, solver=self.config.solver,
+                          weights=weights, context=context)[0]
+
+    def cached(self, input_ids, real, count, cache, weights):
+        """Logits of input_ids, the tokens after the cache's, through it: evaluation j of F attends
+        to layer j's keys and values, each token to the real ones among those before it, the last
+        block_size of them (a sliding window), at most block_size new tokens per pass (model.py's
+        bound on tokens fed through caches)."""
+        L, (B, T), device = self.model.cfg.block_size, input_ids.shape, input_ids.device
+        kv = [Evaluation(cache, j) for j in range(len(weights))]
+        past, logits = cache.get_seq_length(), []
+        for start in range(0, T, L):
+            end = past + min(start + L, T)
+            q = torch.arange(past + start, end, device=device)  # (t,): the new tokens
+            k = torch.arange(end, device=device)  # (S,): every key, cached and new
+            seen = real[:, None, :end] & (k <= q[:, None]) \
+                & (count[:, q, None] - count[:, None, :end] < L)  # (B, t, S)
+            seen |= k == q[:, None]  # a pad before every real token sees itself: an attention
+            # kernel may give NaN for a row that sees nothing, and 0 x NaN reaches the real tokens
+            pos = (count[:, q] - 1).clamp(min=0)  # (B, t): real tokens before each
+            context = Context(pos, seen[:, None], kv)  # seen[:, None]: the mask of every head
+            logits.append(self.run(input_ids[:, start:start + L], weights, context))
+        return torch.cat(logits, dim=1)
+
+    def recomputed(self, input_ids, real, count, weights, kept):
+        """Logits of the columns `kept` of input_ids, without a cache: each row's real tokens moved
+        to its front, where they sit at positions 0, 1, ... and the plain causal mask keeps every
+        pad (all after them) out of their sight, through the model at once; a column takes the
+        logits of its row's real token number count (a pad: of the last real token before it).
+        Past block_size the Llama flavour slides its window (model.py); a GPT-flavour token past
+        the first block_size of its row is read again with its last block_size tokens at positions
+        0..block_size-1."""
+        cfg, (B, T) = self.model.cfg, input_ids.shape
+        L = cfg.block_size if cfg.flavor == "gpt" else T
+        order = real.int().argsort(dim=1, descending=True, stable=True)  # (B, T): real ones first
+        tokens = input_ids.gather(1, order)  # each row's real tokens, then its pads
+        c = count[:, kept].clamp(min=1)  # (B, k) (a pad before any real token: the first one's)
+        window = c > L  # the GPT flavour's tokens past the first L of their row
+        logits = None
+        if not window.all():
+            first = self.run(tokens[:, :L], weights, None)  # (B, min(T, L), vocab)
+            logits = first.gather(1, (c.clamp(max=L) - 1)[..., None].expand(-1, -1, first.size(-1)))
+        b, j = window.nonzero(as_tuple=True)
+        if b.numel():
+            parts = torch.arange(b.numel(), device=b.device).split(WINDOWS_PER_PASS)
+            values = torch.cat([self.window(tokens[b[n]], c[b[n], j[n]], weights) for n in parts])
+            logits = values.new_zeros(B, c.size(1), values.size(-1)) if logits is None else logits
+            logits[b, j] = values
+        return logits
+
+    def window(self, tokens, c, weights):
+        """The GPT flavour's logits (n, vocab) after real token number c (n,) of each row of tokens
+        (n, T), its real tokens first: the last block_size of them at positions 0..block_size-1."""
+        L, device = self.model.cfg.block_size, tokens.device
+        cols = (c[:, None] - L) + torch.arange(L, device=device)  # (n, L)
+        context = Context(torch.arange(L, device=device), last=True)
+        return self.run(tokens.gather(1, cols), weights, context)[:, 0]
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
+                                      **kwargs):
+        """transformers' own, but a GPT-flavour model past its context reads every new token's
+        window afresh: the whole sequence each time, without the cache."""
+        if self.model.cfg.flavor == "gpt" and input_ids.size(1) > self.model.cfg.block_size:
+            next_sequence_length, cache, kwargs["use_cache"] = None, None, False
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save, with the model card (README.md) of the folder this model came
+        from, which transformers does not write."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        card = os.path.join(self.name_or_path, "README.md")
+        if os.path.isfile(card) and not os.path.exists(os.path.join(save_directory, "README.md")):
+            shutil.copyfile(card, os.path.join(save_directory, "README.md"))

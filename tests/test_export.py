@@ -223,7 +223,8 @@ def test_hf_format_is_transformers_own_class_with_the_same_logits(flavor, saved,
 
 def same_tokens(folder, name):
     """The folder's own tokenizer (AutoTokenizer) reads text as prepare.py's does."""
-    text = "ROMEO:\nBut, soft! what light through yonder window breaks?  Déjà vu, 1597"
+    text = "ROMEO:\nBut, soft! what light through yonder window breaks?  Déjà vu, 1597, Ā"  # Ā: the
+    # byte tokenizer's pad token (byte 0) as byte-level BPE writes it, read as its UTF-8 bytes
     tokenizer = transformers().AutoTokenizer.from_pretrained(folder)
     ours = prepare.get_tokenizer(name)
     assert tokenizer(text)["input_ids"] == ours.encode(text)

@@ -4,14 +4,23 @@ logits and sample.py's greedy tokens, past the context too; `steps` and `solver`
 ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_eval --model hf`
 scores the local tasks as this project's harness does. Skipped without transformers."""
 import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from unittest import mock
+from unittest.mock import DEFAULT
 
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 import checkpoints
 import export
 import sample
-from conftest import TINY, tokenizer_or_skip
+from conftest import ROOT, TINY, tokenizer_or_skip
 from test_export import KINDS, saved, same_tokens  # noqa: F401 (saved: the fixture of every kind)
 
 transformers = pytest.importorskip("transformers")
@@ -44,8 +53,10 @@ def test_remote_code_gives_the_projects_logits_and_greedy_tokens(kind, saved, ex
     with torch.no_grad():
         assert torch.equal(theirs(idx).logits, ours(idx)[0])
         n = TINY["block_size"] - 12 + 8
-        greedy = theirs.generate(idx, max_new_tokens=n, do_sample=False)
-    assert torch.equal(greedy, sample.generate(ours, idx, n, temperature=0))
+        expected = sample.generate(ours, idx, n, temperature=0)
+        for use_cache in (True, False):  # the KV cache (generate's default), and recomputation
+            greedy = theirs.generate(idx, max_new_tokens=n, do_sample=False, use_cache=use_cache)
+            assert torch.equal(greedy, expected), use_cache
 
 
 @pytest.mark.parametrize("kind", ["diffeq", "gpt"])
@@ -99,6 +110,8 @@ def test_the_tokenizer_and_a_pipeline_read_the_folder(exported):
     same_tokens(exported["diffeq"], "byte")
     tokenizer_or_skip("gpt2")
     same_tokens(exported["shared"], "gpt2")  # exported with GPT-2's tokenizer
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported["shared"], trust_remote_code=True)
+    assert tokenizer.pad_token_id == auto(exported["shared"]).generation_config.pad_token_id == 50256
     generator = transformers.pipeline("text-generation", model=exported["diffeq"], trust_remote_code=True)
     text = generator("ROMEO:", max_new_tokens=10, do_sample=False)[0]["generated_text"]
     ours, _ = checkpoints.load_model(exported["diffeq"])
@@ -134,3 +147,244 @@ def test_lm_eval_hf_scores_the_folder_as_the_harness_does(tmp_path):
         for s in ours["samples"][task]:
             for (ll, greedy), (ll_hf, greedy_hf) in zip((r[0] for r in s["resps"]), (r[0] for r in theirs[s["doc_id"]])):
                 assert float(ll_hf) == pytest.approx(float(ll), abs=1e-5) and greedy_hf == greedy
+
+
+# -- what a transformers user meets next: padded batches, the KV cache, saving, training ----------
+
+def padded(prompts, side):
+    """(input_ids, attention_mask) of prompts of different lengths, padded on `side` with id 0."""
+    T = max(map(len, prompts))
+    ids, mask = torch.zeros(len(prompts), T, dtype=torch.long), torch.zeros(len(prompts), T, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        at = slice(T - len(prompt), T) if side == "left" else slice(0, len(prompt))
+        ids[row, at], mask[row, at] = torch.tensor(prompt), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_padded_batch_gives_each_prompt_alone(kind, side, saved, exported):  # noqa: F811
+    """Prompts of 3 lengths padded on either side: every real position's logits, and the greedy
+    tokens with and without the KV cache, are those of each prompt alone (sample.py's), 24 tokens
+    past the longest prompt, so past the context of 32 (a GPT-flavour model re-reads windows)."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    theirs = auto(exported[kind])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (5, 12, 9)]
+    ids, mask = padded(prompts, side)
+    n = 24
+    with torch.no_grad():
+        logits = theirs(ids, attention_mask=mask).logits
+        greedy = [theirs.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                  use_cache=use_cache)[:, ids.size(1):] for use_cache in (True, False)]
+        for row, prompt in enumerate(prompts):
+            alone = torch.tensor([prompt])
+            torch.testing.assert_close(logits[row][mask[row].bool()], ours(alone)[0][0], rtol=1e-5, atol=1e-5)
+            expected = sample.generate(ours, alone, n, temperature=0)[0, len(prompt):]
+            assert torch.equal(greedy[0][row], expected) and torch.equal(greedy[1][row], expected), row
+
+
+def test_a_left_pad_is_never_a_row_that_sees_nothing(saved, exported):  # noqa: F811
+    """An attention kernel may give NaN for a query that sees no key (PyTorch's CPU kernel gives
+    0): under one that does, a left-padded batch through the cache still gives each prompt's logits."""
+    def attention_of_softmax(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        scores = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5
+        if is_causal:
+            attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+        return scores.masked_fill(~attn_mask, float("-inf")).softmax(-1) @ v  # an empty row: NaN
+
+    ours, _ = checkpoints.load_model(saved["diffeq"])
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    ids, mask = padded(prompts, "left")
+    with torch.no_grad(), mock.patch.object(F, "scaled_dot_product_attention", attention_of_softmax):
+        logits = auto(exported["diffeq"])(ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[1, -2:], ours(torch.tensor(prompts[1:]))[0][0], rtol=1e-5, atol=1e-5)
+
+
+def test_generate_runs_one_position_per_token_through_the_cache(saved, exported):  # noqa: F811
+    """An ODE at 4 midpoint steps (8 evaluations of F): the prompt in one pass, then one position
+    per new token; the cache has a layer per evaluation (config.num_hidden_layers) and its weights
+    are generated once (one hypernetwork call per generation); the tokens are those without the
+    cache and sample.py's."""
+    ours, _ = checkpoints.load_model(saved["diffeq"])
+    theirs = auto(exported["diffeq"], steps=4, solver="midpoint")
+    fed, hyper_calls = [], []
+    theirs.model.register_forward_pre_hook(lambda m, args: fed.append(args[0].size(1)))
+    theirs.model.hyper.register_forward_hook(lambda m, args, out: hyper_calls.append(1))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = theirs.generate(idx, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+        assert fed == [7] + [1] * 9 and len(hyper_calls) == 1
+        assert len(out.cache.layers) == 8 and out.cache.get_seq_length() == 16
+        mine = transformers.DynamicCache(config=theirs.config)  # a cache made as transformers does:
+        assert theirs(idx, cache=mine).cache is mine and len(mine.layers) == 8  # a layer each
+        assert torch.equal(out.sequences, theirs.generate(idx, max_new_tokens=10, do_sample=False, use_cache=False))
+        assert torch.equal(out.sequences, sample.generate(ours, idx, 10, temperature=0, steps=4, solver="midpoint"))
+
+
+def test_a_pipeline_batches_prompts(exported):
+    """pipeline(..., batch_size=3) pads with the folder's tokenizer (its pad token, on the left) and
+    gives each prompt its text alone."""
+    generator = transformers.pipeline("text-generation", model=exported["llama"], trust_remote_code=True)
+    prompts = ["ROMEO:", "JULIET: O ROMEO, ROMEO!", "A"]  # (bytes of the tiny vocabulary, < 96)
+    batched = generator(prompts, batch_size=3, max_new_tokens=12, do_sample=False)
+    assert generator.tokenizer.pad_token_id == 0
+    for prompt, out in zip(prompts, batched):
+        assert out == generator(prompt, max_new_tokens=12, do_sample=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_pretrained_comes_back_everywhere(kind, saved, exported, tmp_path, capsys):  # noqa: F811
+    """export -> transformers -> save_pretrained -> the project (checkpoints.load_model, sample.py)
+    and transformers again, with the same logits; exported again, the same weights; the card kept."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    auto(exported[kind]).save_pretrained(tmp_path / "saved")
+    project, ckpt = checkpoints.load_model(str(tmp_path / "saved"))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(project(idx)[0], ours(idx)[0])
+        assert torch.equal(auto(tmp_path / "saved")(idx).logits, ours(idx)[0])
+    sample.main([f"--init_from={tmp_path / 'saved'}", "--max_new_tokens=3", "--num_samples=1",
+                 "--start=!"])  # (id 0 in GPT-2: in the tiny vocabulary)
+    assert f"{tmp_path / 'saved'}: {ours.cfg.model_type}" in capsys.readouterr().err
+    export.export(str(tmp_path / "saved"), str(tmp_path / "again"))
+    first, again = (load_file(os.path.join(d, "model.safetensors")) for d in (exported[kind], tmp_path / "again"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    assert ckpt["tokenizer"] == ("gpt2" if kind == "shared" else "byte")
+    assert open(tmp_path / "saved" / "README.md").read() == open(os.path.join(exported[kind], "README.md")).read()
+
+
+def test_gradient_checkpointing_is_transformers_switch(exported):
+    """gradient_checkpointing_enable() (and activation_checkpointing_enable()) turns on model.py's
+    checkpointing: the same gradients, F evaluated again in the backward pass; disable turns it off."""
+    theirs = auto(exported["diffeq"]).train()
+    module = sys.modules[type(theirs.model).__module__]  # the folder's model.py
+    calls = []
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+
+    def gradients():
+        theirs.zero_grad()
+        calls.clear()
+        theirs(idx, labels=idx).loss.backward()
+        return [p.grad.clone() for p in theirs.parameters()], len(calls)
+
+    counted = dict(wraps=module.vector_field, side_effect=lambda *args: calls.append(1) or DEFAULT)
+    with mock.patch.object(module, "vector_field", **counted):
+        plain, plain_calls = gradients()
+        with pytest.warns(FutureWarning):  # transformers 5 renamed it; both names work
+            theirs.gradient_checkpointing_enable()
+        assert theirs.model.cfg.checkpoint and theirs.is_activation_checkpointing
+        recomputed, recomputed_calls = gradients()
+        theirs.activation_checkpointing_disable()
+        assert not theirs.model.cfg.checkpoint
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, recomputed))
+    assert (plain_calls, recomputed_calls) == (3, 6)  # 3 Euler steps, each recomputed once
+
+
+@pytest.mark.parametrize("kind", ["diffeq", "gpt", "llama"])
+def test_inputs_longer_than_the_context(kind, saved, exported):  # noqa: F811
+    """No silent shape change: every position's logits come back. A GPT-flavour token past
+    block_size gets the logits of its last block_size tokens (sample.py's window), a Llama one
+    attends to the last block_size (model.py's sliding window); labels give a loss."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    theirs = auto(exported[kind])
+    L = TINY["block_size"]
+    idx = torch.randint(0, TINY["vocab_size"], (2, L + 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = theirs(idx, labels=idx)
+        assert out.logits.shape == (2, L + 9, TINY["vocab_size"])
+        if kind == "llama":
+            expected = ours(idx)[0]
+        else:
+            windows = [ours(idx[:, i - L + 1:i + 1])[0][:, -1:] for i in range(L, L + 9)]
+            expected = torch.cat([ours(idx[:, :L])[0]] + windows, 1)
+        torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss, F.cross_entropy(expected[:, :-1].flatten(0, 1), idx[:, 1:].flatten()))
+
+
+def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # noqa: F811
+    """A folder without wte.weight (and one time-MLP weight): transformers reports them "newly
+    initialized", and they are, by model.py's init (std 0.02), the rest as the folder holds them."""
+    export.export(saved["diffeq"], str(tmp_path))
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = {name: weights.pop(name) for name in ("wte.weight", "hyper.attn.B_W")}
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    theirs = auto(tmp_path)
+    state = theirs.model.state_dict()
+    assert all(torch.equal(state[name], w) for name, w in weights.items())
+    for name in dropped:  # init="gpt": B_W drawn as a GPT weight
+        assert abs(state[name].std().item() - 0.02) < 0.002 and not torch.equal(state[name], dropped[name])
+    assert theirs(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_bad_arguments_are_one_line(exported):
+    theirs = auto(exported["gpt"])
+    idx = torch.randint(0, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match="counts positions from attention_mask: pass no position_ids"):
+        theirs(idx, position_ids=torch.arange(8)[None])
+    with pytest.raises(ValueError, match=r"attention_mask is \(1, 5\): 0 cached and 8 new tokens need \(1, 8\)"):
+        theirs(idx, attention_mask=torch.ones(1, 5))
+    cache = theirs(idx).cache  # 8 positions cached; 30 more go past the context of 32
+    with pytest.raises(ValueError, match="re-reads each token's window: call it without a cache"):
+        theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
+
+
+def test_peft_adapts_the_modules_that_model_py_calls(exported):
+    """peft's LoRA replaces nn.Linear modules: in a DiffEqFormer, "all-linear" finds the
+    hypernetwork's time MLPs (called as modules), which then train; a block's linears it wraps too,
+    but model.py reads their weights into F.linear and never calls them: nothing reaches the loss."""
+    peft = pytest.importorskip("peft")  # an optional extra (requirements-eval.txt)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(10))
+    model = peft.get_peft_model(auto(exported["diffeq"]), peft.LoraConfig(r=2, target_modules="all-linear"))
+    assert {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")} == {"L1", "L2"}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # (zero at the start: the model unchanged)
+                p.normal_(0, 0.1)
+        assert not torch.allclose(model(idx).logits, auto(exported["diffeq"])(idx).logits)
+    gpt = peft.get_peft_model(auto(exported["gpt"]), peft.LoraConfig(r=2, target_modules=["attn", "proj", "fc", "fc2"]))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        gpt.train()(idx, labels=idx).loss.backward()
+
+
+# -- the folder's card and lm-eval's command ------------------------------------------------------
+
+def code_blocks(card, language):
+    return re.findall(rf"```{language}\n(.*?)```", card, re.S)
+
+
+@pytest.mark.parametrize("fmt", ["diffeqformer", "hf"])
+def test_the_cards_commands_run_as_printed(fmt, saved, tmp_path):  # noqa: F811
+    """The card's Python (transformers alone, from another directory) and its shell commands (from
+    the repository) run as printed; AutoTokenizer asks no question; the Hub reads it as transformers'."""
+    folder = str(tmp_path / "folder")
+    export.main([f"--init_from={saved['llama']}", f"--out={folder}", f"--format={fmt}"])
+    card = open(os.path.join(folder, "README.md")).read()
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    python, shell = code_blocks(card, "python"), code_blocks(card, "bash")
+    assert len(python) == 1 and len(shell) == (fmt == "diffeqformer")
+    if fmt == "diffeqformer":
+        assert "AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)" in python[0]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", python[0]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL)  # (a question to the user would fail, not wait)
+    assert run.returncode == 0, run.stderr
+    for command in "".join(shell).splitlines():
+        run = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode == 0 and "baseline (llama)" in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(shutil.which("lm_eval") is None or importlib.util.find_spec("accelerate") is None,
+                    reason="needs lm-eval's lm_eval command and accelerate: pip install -r requirements-eval.txt")
+def test_the_installed_lm_eval_runs_the_local_tasks_from_any_directory(tmp_path):
+    """`lm_eval` as installed (its script's folder on the path, not the repository) reads the
+    Shakespeare tasks, which import prepare.py, from another directory (~30 s: lm-eval's start)."""
+    from test_sample import random_model, save_model
+    folder = tmp_path / "folder"
+    export.export(save_model(tmp_path / "ode.pt", random_model(vocab_size=256, block_size=128)), str(folder))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    model_args = f"pretrained={folder},trust_remote_code=True,prefix_token_id=10"
+    tasks = ["--tasks", "shakespeare_choice", "--include_path", os.path.join(ROOT, "experiments", "tasks")]
+    run = subprocess.run(["lm_eval", "--model", "hf", "--model_args", model_args, *tasks, "--device=cpu", "--limit=1"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "|shakespeare_choice|" in run.stdout.replace(" ", ""), run.stderr[-2000:]

@@ -2,10 +2,14 @@
 data/tinyshakespeare/input.txt, which `python train.py` never trains on. Deterministic; no download."""
 import os
 import random
+import sys
 
 import datasets
 
-import prepare
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the repository
+if ROOT not in sys.path:  # its prepare.py, from any directory that lm_eval (installed: the root is
+    sys.path.insert(0, ROOT)  # not on its path) or `python -m lm_eval` runs in
+import prepare  # noqa: E402
 
 
 def speeches():
