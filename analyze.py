@@ -42,7 +42,7 @@ from tqdm import tqdm
 import checkpoints
 import plots
 import prepare
-from configurator import UserError, make_dir, parse_config, run_main, written
+from configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
@@ -62,8 +62,7 @@ class AnalyzeConfig:
     out: str = "out-analyze"  # folder for the figures and arrays
     steps: int = 0  # Euler steps of an ODE checkpoint (0: the checkpoint's own n_layer)
     times: int = 100  # spectral: time points in [0, 1] for the curves of an ODE checkpoint
-    prompt: str = DEFAULT_PROMPT  # lyapunov: the text whose last position is analysed
-    prompt_file: str = ""  # lyapunov: read the prompt from this file instead
+    prompt: str = DEFAULT_PROMPT  # lyapunov: the text whose last position is analysed, or FILE:path
     top: int = 10  # lyapunov: how many of the most sensitive tokens to print
 
     def __post_init__(self):
@@ -94,21 +93,7 @@ class ClusterConfig:
             raise ValueError(f"--cluster_cos={self.cluster_cos} must be in (-1, 1)")
 
 
-# -- the checkpoint and the weights the forward pass multiplies by ---------------------------------
-
-def resolve_steps(model, steps, path):
-    """The number of Euler steps to analyse: --steps for an ODE checkpoint, the layers of any
-    other."""
-    cfg = model.cfg
-    if steps and not cfg.is_ode:
-        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with "
-                        f"{cfg.n_layer} fixed layers: --steps "
-                        f"applies only to an ODE checkpoint (diffeq or shared); leave it out")
-    try:
-        return model.check_steps(steps or None, "euler")[0]
-    except ValueError as e:
-        raise UserError(str(e)) from e
-
+# -- the weights the forward pass multiplies by ----------------------------------------------------
 
 def weights_at(model, ts):
     """An ODE's block weights at any times ts, {name: (W (T, out, in), b (T, out) or None)}: the
@@ -330,25 +315,6 @@ def last_position_attention(x, w, cfg, rope):
     return F.softmax(q[:, -1:] @ k.mT / q.size(-1) ** 0.5, dim=-1)[:, 0]  # (H, T)
 
 
-def read_prompt(acfg, tok, block_size):
-    """The token ids of --prompt or --prompt_file; an empty prompt or one longer than the context is
-    an error."""
-    text = acfg.prompt
-    if acfg.prompt_file:
-        if not os.path.isfile(acfg.prompt_file):
-            raise UserError(f"prompt file {acfg.prompt_file} does not exist")
-        with open(acfg.prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    ids = tok.encode(text)
-    if not text.strip() or not ids:
-        raise UserError("the prompt is empty: "
-                        "give some text with --prompt=... or --prompt_file=PATH")
-    if len(ids) > block_size:
-        raise UserError(f"the prompt is {len(ids)} tokens, "
-                        f"longer than the model's context of {block_size}: shorten it")
-    return ids
-
-
 def lyapunov(model, tok, ids, steps, top, out):
     """--lyapunov: exponents of every input token for the last position; shaded text, attention,
     arrays."""
@@ -392,23 +358,26 @@ def main(argv):
     if acfg.spectral or acfg.lyapunov:  # every check before any work
         model, ckpt = checkpoints.load_model(acfg.init_from)
         model = model.double().requires_grad_(False)  # the analysis is in float64
-        mcfg, steps = model.cfg, resolve_steps(model, acfg.steps, acfg.init_from)
+        mcfg = model.cfg
+        with as_user_error(f"{acfg.init_from}: "):  # --steps: an ODE's only
+            steps, _ = mcfg.depth(acfg.steps or None, "euler")
         if acfg.spectral and "times" in given and not mcfg.is_ode:
             raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, "
                             f"whose weights exist only at its layers: "
                             f"--times applies only to an ODE checkpoint; leave it out")
         if acfg.lyapunov:
-            try:
-                tok = prepare.get_tokenizer(ckpt["tokenizer"])
-            except ValueError as e:
-                raise UserError(str(e)) from e
-            ids = read_prompt(acfg, tok, mcfg.block_size)
+            tok = prepare.get_tokenizer(ckpt["tokenizer"])
+            ids = prepare.encode_prompt(prepare.read_prompt(acfg.prompt), tok, mcfg.vocab_size,
+                                        "--prompt")
+            if len(ids) > mcfg.block_size:
+                raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context "
+                                f"of {mcfg.block_size}: shorten it")
     make_dir(acfg.out, "out")  # a file in the way, or a read-only folder: one line, before the work
     if acfg.cluster:
         cluster(ccfg, acfg.out)
     if acfg.spectral or acfg.lyapunov:
-        print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), {steps} "
-              f"{'Euler steps' if mcfg.is_ode else 'layers'}, "
+        print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), "
+              f"{mcfg.depth_label(steps, 'euler')}, "
               f"width {mcfg.n_embd}, {mcfg.n_head} heads")
         with torch.no_grad():  # torch.func differentiates inside it all the same
             if acfg.spectral:

@@ -55,6 +55,16 @@ def int_range(text, key, high):
     return int(lo), int(hi or lo)
 
 
+@contextlib.contextmanager
+def as_user_error(prefix, error=UserError):
+    """A ValueError raised inside (a rule of model.py or of a config) becomes one line: `error`,
+    its message after `prefix` (the checkpoint's path, the flag)."""
+    try:
+        yield
+    except ValueError as e:
+        raise error(f"{prefix}{e}") from None
+
+
 def make_dir(path, flag):
     """os.makedirs(path) for a folder a flag names, or one UserError when it cannot be written."""
     try:

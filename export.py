@@ -83,7 +83,7 @@ def model_card(model, tokenizer, facts, source, fmt, name):
     """README.md of the folder: what the model is, how it was trained, how to load it (from `name`,
     the folder or its Hub id, by commands that run as printed), its loss."""
     cfg, loss = model.cfg, validation_loss(facts)
-    depth = f"{cfg.n_layer} {cfg.solver} steps" if cfg.is_ode else f"{cfg.n_layer} layers"
+    depth = cfg.depth_label()
     train = facts.get("train_config") or {}
     trained = (f"{facts.get('iter_num', '?')} iterations of {train['batch_size']} x "
                f"{train['gradient_accumulation_steps']} sequences of {cfg.block_size} tokens on "

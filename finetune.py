@@ -25,9 +25,10 @@ import torch
 import checkpoints
 import common
 import lora
+import runlog
 import train
 from configurator import ConfigError, UserError, parse_config, run_main
-from model import MAX_STEPS, ModelConfig
+from model import ModelConfig, check_step_count
 from scale import resume
 
 DEFAULT_CONFIG = "config/finetune_wikitext2.py"
@@ -45,9 +46,8 @@ class FinetuneConfig:
     merge_base: str = ""  # with --merge: the base checkpoint, if it moved since the adapters' run
 
     def __post_init__(self):
-        if not 0 <= self.steps <= MAX_STEPS:
-            raise ValueError(f"steps={self.steps} must be in 1..{MAX_STEPS} (or 0 for the "
-                             f"pretraining count)")
+        if self.steps:  # 0: the pretraining count
+            check_step_count(self.steps)
         if self.lora_rank < 1:
             raise ValueError(f"lora_rank={self.lora_rank} must be at least 1")
 
@@ -164,7 +164,8 @@ def main(argv):
         if fcfg.lora:
             extra["kind"] = checkpoints.LORA_RUN
         wrapped, optimizer, start, best = train.setup_run(model, cfg, env, run)
-        train.fit(wrapped, optimizer, cfg, env, data, extra, start, best)
+        with runlog.Run(wrapped, cfg, env, extra, start, best) as run:
+            train.fit(wrapped, optimizer, data, cfg, env, run)
         if env.master:
             save_results(model, fcfg, cfg, base_ckpt, extra, steps, trainable)
     finally:

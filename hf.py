@@ -139,17 +139,19 @@ def from_transformers(path, config):
                         f"requirements-eval.txt (transformers)") from None
     tokenizer = config.get("diffeqformer_tokenizer", "gpt2" if flavor == "gpt" else None)
     heads = config.get("num_attention_heads")
-    problems = [message for bad, message in (
-        (tokenizer is None, "a tokenizer this project has (diffeqformer_tokenizer: byte or gpt2)"),
-        (config.get("layer_norm_epsilon", config.get("rms_norm_eps")) != EPS, f"norm eps {EPS}"),
-        (config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"),
-         "tanh-GELU"),
-        (config.get("num_key_value_heads", heads) != heads, "as many key-value heads as heads"),
-        ((config.get("rope_parameters") or {}).get("rope_theta", 10000.0) != 10000.0,
-         "RoPE base 10000"),
-        (config.get("attention_bias") or config.get("mlp_bias"), "no biases")) if bad]
-    if problems:
-        raise UserError(f"{path}: this project's {flavor} model needs {problems[0]}")
+    needs = {  # what this project's model needs: whether the folder's config has it
+        "a tokenizer this project has (diffeqformer_tokenizer: byte or gpt2)": tokenizer is not None,
+        f"norm eps {EPS}": config.get("layer_norm_epsilon", config.get("rms_norm_eps")) == EPS,
+        "tanh-GELU": config.get("activation_function", "gelu_new") in ("gelu_new",
+                                                                      "gelu_pytorch_tanh"),
+        "as many key-value heads as heads": config.get("num_key_value_heads", heads) == heads,
+        "RoPE base 10000":
+            (config.get("rope_parameters") or {}).get("rope_theta", 10000.0) == 10000.0,
+        "no biases": not (config.get("attention_bias") or config.get("mlp_bias")),
+    }
+    missing = [need for need, holds in needs.items() if not holds]
+    if missing:
+        raise UserError(f"{path}: this project's {flavor} model needs {missing[0]}")
     transformers.logging.disable_progress_bar()
     cls = transformers.GPT2LMHeadModel if flavor == "gpt" else transformers.LlamaForCausalLM
     hf = cls.from_pretrained(path, dtype=torch.float32)

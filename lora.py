@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
 
-from configurator import UserError
+from configurator import UserError, as_user_error
 from model import block_shapes
 
 
@@ -87,13 +87,6 @@ def merge_lora(model):
 def at_depth(model, steps, path):
     """The model as a discrete transformer of `steps` layers: an ODE materialised (METHOD 5); a
     model of fixed layers as it is (another depth: a UserError). steps 0: its own depth."""
-    cfg = model.cfg
-    steps = steps or cfg.n_layer
-    if cfg.is_ode:
-        return model.materialize(steps)
-    if steps != cfg.n_layer:
-        raise UserError(f"{path} holds a {cfg.model_type} ({cfg.flavor}) model with {cfg.n_layer} "
-                        f"fixed layers, so it cannot be fine-tuned with --steps {steps}: only a "
-                        f"DiffEqFormer (diffeq or shared) has a depth that is a solver step count; "
-                        f"use --steps {cfg.n_layer} or 0")
-    return model
+    with as_user_error(f"{path}: "):
+        steps, _ = model.cfg.depth(steps or None, "euler")
+    return model.materialize(steps) if model.cfg.is_ode else model

@@ -65,16 +65,19 @@ class ModelConfig:
                  "time_freqs")
         problems += [f"{k}={getattr(self, k)} must be at least 1" for k in sizes
                      if getattr(self, k) < 1]
-        hs, divides = self.n_embd // max(self.n_head, 1), self.n_embd % max(self.n_head, 1) == 0
-        problems += [message for ok, message in (
-            (divides, f"n_head={self.n_head} does not divide n_embd={self.n_embd}"),
-            (not divides or self.flavor == "gpt" or hs % 2 == 0,
-             f"RoPE needs an even head size, got {hs}"),
-            (self.n_layer <= MAX_STEPS, f"n_layer={self.n_layer} is more than {MAX_STEPS} steps"),
-            (self.tokenizer_vocab <= self.vocab_size,
-             f"tokenizer_vocab={self.tokenizer_vocab} is more than vocab_size={self.vocab_size}"),
-            (self.time_scale > 0, f"time_scale={self.time_scale} must be positive"),
-            (0.0 <= self.dropout < 1.0, f"dropout={self.dropout} must be in [0, 1)")) if not ok]
+        if self.n_head >= 1 and self.n_embd % self.n_head:
+            problems.append(f"n_head={self.n_head} does not divide n_embd={self.n_embd}")
+        elif self.n_head >= 1 and self.flavor == "llama" and self.n_embd // self.n_head % 2:
+            problems.append(f"RoPE needs an even head size, got {self.n_embd // self.n_head}")
+        if self.n_layer > MAX_STEPS:
+            problems.append(f"n_layer={self.n_layer} must be in 1..{MAX_STEPS}")
+        if self.tokenizer_vocab > self.vocab_size:
+            problems.append(f"tokenizer_vocab={self.tokenizer_vocab} is more than "
+                            f"vocab_size={self.vocab_size}")
+        if self.time_scale <= 0:
+            problems.append(f"time_scale={self.time_scale} must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
             raise ValueError("bad model config: " + "; ".join(problems))
 
@@ -83,8 +86,35 @@ class ModelConfig:
         """True for the models that are integrated with a solver and accept any number of steps."""
         return self.model_type in ("diffeq", "shared")
 
+    def depth(self, steps=None, solver=None):
+        """(steps, solver) of a forward pass, n_layer steps of the config's solver by default: any
+        step count in 1..MAX_STEPS and any solver for an ODE; its n_layer layers, the Euler steps of
+        a materialised ODE, for a model of fixed layers. Every script's rule, said here once."""
+        steps = check_step_count(self.n_layer if steps is None else steps)
+        solver = self.solver if solver is None else solver
+        if solver not in SOLVERS:
+            raise ValueError(f"solver={solver!r} is not one of {', '.join(SOLVERS)}")
+        if not self.is_ode and (steps, solver) != (self.n_layer, "euler"):
+            raise ValueError(f"a {self.model_type} ({self.flavor}) model has {self.n_layer} fixed "
+                             f"layers and runs them with euler only, not {steps} {solver} steps: "
+                             f"an ODE (diffeq, shared) takes any step count and solver, and "
+                             f"`materialize` fixes one's depth")
+        return steps, solver
+
+    def depth_label(self, steps=None, solver=None):
+        """"6 euler steps" or "12 layers": the depth a forward pass runs at."""
+        steps, solver = self.depth(steps, solver)
+        return f"{steps} {solver} steps" if self.is_ode else f"{self.n_layer} layers"
+
     def to_dict(self):
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_step_count(n, name="steps"):
+    """n, an ODE's step count: an integer in 1..MAX_STEPS; else a ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
+        raise ValueError(f"{name}={n!r} must be an integer in 1..{MAX_STEPS}")
+    return n
 
 
 def time_dtype(dtype):
@@ -465,7 +495,7 @@ class DiffEqFormer(nn.Module):
         once for many passes (train.py per optimizer step, sample.py per generation). context: where
         the tokens sit and what they see, when that is not positions 0..T-1 under a causal mask."""
         cfg = self.cfg
-        steps, solver = self.check_steps(steps, solver)
+        steps, solver = cfg.depth(steps, solver)
         B, T = idx.size()
         ctx = context or Context(torch.arange(T, device=idx.device))
         if T > cfg.block_size and (cfg.flavor == "gpt" or ctx.kv is not None):
@@ -495,20 +525,6 @@ class DiffEqFormer(nn.Module):
             logits_ = logits.to(time_dtype(logits.dtype)).view(-1, logits.size(-1))
             loss = F.cross_entropy(logits_, targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-    def check_steps(self, steps, solver):
-        cfg = self.cfg
-        steps = cfg.n_layer if steps is None else steps
-        solver = cfg.solver if solver is None else solver
-        if not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-            raise ValueError(f"steps must be an integer in 1..{MAX_STEPS}, got {steps!r}")
-        if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-        if not cfg.is_ode and (steps != cfg.n_layer or solver != "euler"):
-            raise ValueError(f"a {cfg.model_type} model has {cfg.n_layer} fixed layers: only steps="
-                             f"{cfg.n_layer} with the euler solver; materialize a diffeq model to "
-                             f"change its depth")
-        return steps, solver
 
     def times(self, steps, solver, offsets=None):
         """stage_times in the time dtype on the model's device; Euler's moved back inside their
@@ -595,7 +611,7 @@ class DiffEqFormer(nn.Module):
         has this model's dtype and device."""
         if not self.cfg.is_ode:
             raise ValueError(f"only ODE models can be materialised, not a {self.cfg.model_type}")
-        steps, _ = self.check_steps(steps, "euler")
+        steps, _ = self.cfg.depth(steps, "euler")
         cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps,
                              "solver": "euler"})
         sd = {k: v for k, v in self.state_dict().items() if not k.startswith(("hyper.", "block."))}

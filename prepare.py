@@ -96,6 +96,42 @@ def get_tokenizer(name, choosable=False):
                                 f" (the model was trained on {name} tokens)")) from e
 
 
+def read_prompt(start):
+    """A prompt's text: `start` itself, or the contents of the file that FILE:path names (sample.py's
+    --start, analyze.py's --prompt)."""
+    if start.startswith("FILE:"):
+        path = start[len("FILE:"):]
+        if os.path.isdir(path):
+            raise UserError(f"prompt file {path} is a folder: name a text file in it")
+        if not os.path.isfile(path):
+            raise UserError(f"prompt file {path} does not exist")
+        try:
+            with open(path, encoding="utf-8") as f:
+                start = f.read()
+        except UnicodeDecodeError:
+            raise UserError(f"prompt file {path} is not UTF-8 text") from None
+    return start
+
+
+def encode_prompt(text, tok, vocab_size, flag):
+    """The prompt's token ids; an empty prompt, or one with a token the model has no embedding for
+    (a character outside a small vocabulary), is a UserError that names the flag it came from."""
+    if not text:
+        raise UserError(f"the prompt is empty: give {flag} some text, or FILE:path")
+    ids = tok.encode(text)
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        if tok.name == "byte":  # name the character, not one of its UTF-8 bytes
+            char = next(c for c in text if max(tok.encode(c)) >= vocab_size)
+            what = f"{char!r} (UTF-8 bytes {list(char.encode('utf-8'))})"
+        else:
+            what = f"{tok.decode([bad[0]])!r} (token id {bad[0]})"
+        raise UserError(f"the prompt has characters this model cannot read: {what} is outside its "
+                        f"vocabulary of {vocab_size} ids ({len(bad)} such token"
+                        f"{'s' * (len(bad) > 1)} in the prompt)")
+    return ids
+
+
 def token_dtype(vocab_size):
     """uint16 holds GPT-2's 50,257 ids; larger vocabularies need uint32."""
     return np.uint16 if vocab_size <= 65536 else np.uint32

@@ -1,18 +1,142 @@
 """
-What a training run prints and logs: out_dir/log.jsonl (mirrored to wandb and TensorBoard when
-asked), the summary printed as it starts, and the model FLOP utilisation (MFU) of every iteration:
-the training FLOPs of a token (METHOD 7) times tokens/s over the device's peak.
+What a training run keeps besides its maths: `Run`, train.fit's books (the progress bar, the
+evaluations and the best validation loss, the checkpoints, Ctrl-C, a run that diverges, each
+iteration's row); out_dir/log.jsonl (mirrored to wandb and TensorBoard when asked); the summary
+printed as it starts; and the model FLOP utilisation (MFU) of every iteration: the training FLOPs of
+a token (METHOD 7) times tokens/s over the device's peak.
 """
 import json
 import math
 import os
 import time
+from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 import common
+import plots
 import prepare
-from model import SOLVERS, block_shapes
+from configurator import Diverged
+from model import block_shapes, evaluations
+from scale import parallel, resume
+
+
+class Run:
+    """train.fit's books, from iteration `start` (a resumed run's) to max_iters (or stop_at): the
+    iterations as a tqdm bar; each evaluation printed and logged, the best validation loss; a
+    checkpoint after each evaluation, and at the iteration where Ctrl-C stops the run; each
+    iteration's loss, gradient norm, learning rate, tokens/s and MFU; a loss, gradient norm or
+    evaluation that is not finite stops the run before its weights are saved. `extra` goes into
+    every checkpoint. A context manager: the bar, the log and the Ctrl-C handler close however the
+    loop ends."""
+
+    def __init__(self, model, cfg, env, extra, start=0, best_val_loss=float("inf")):
+        raw = parallel.unwrap(model)
+        self.cfg, self.env, self.extra, self.mcfg = cfg, env, extra, raw.cfg
+        self.start, self.best_val_loss, self.history = start, best_val_loss, []
+        self.end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
+        self.saved = start or None  # the iteration of out_dir's checkpoint (a resumed run's own)
+        self.tokens = cfg.batch_size * raw.cfg.block_size * cfg.gradient_accumulation_steps
+        # the hypernetwork's FLOPs spread over the tokens of one generation of the weights
+        self.hyper = sum(p.numel() for n, p in raw.named_parameters() if n.startswith("hyper."))
+        self.per_generation = self.tokens // env.world_size if parallel.generates_once(raw, cfg) \
+            else cfg.batch_size * raw.cfg.block_size
+        self.peak = peak_flops(env, cfg.peak_flops)  # one device's, or None: no MFU on a CPU
+        self.log = RunLog(cfg, start, env.master, {**asdict(cfg), **raw.cfg.to_dict()},
+                          extra.get("wandb_id"))
+        self.interrupt = common.Interrupt(env, cfg.out_dir)
+        self.bar = tqdm(range(start, self.end + 1), initial=start, total=cfg.max_iters,
+                        disable=not env.master, dynamic_ncols=True, desc="train")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
+        self.log.close()
+        self.interrupt.close()
+
+    def iterations(self):
+        """start..end, each once, or none for a resumed run that has done what it was asked."""
+        if self.start >= self.end:
+            cfg = self.cfg
+            self.env.print(f"{cfg.out_dir}/ is at iteration {self.start}: nothing left to train "
+                           f"with max_iters={cfg.max_iters}"
+                           f"{f' and stop_at={cfg.stop_at}' * bool(cfg.stop_at)}")
+            return iter(())
+        return iter(self.bar)
+
+    def evaluation_due(self, it):
+        """Every eval_interval iterations and at the end (nanoGPT's); not at a resumed run's first
+        iteration, which its checkpoint's run evaluated."""
+        due = it % self.cfg.eval_interval == 0 or it == self.end
+        return due and (it > self.start or self.start == 0)
+
+    def checkpoint_due(self, it):
+        """After each evaluation, but a resumed run's first iteration's: its checkpoint holds it."""
+        return (it % self.cfg.eval_interval == 0 or it == self.end) and it > self.start
+
+    def interrupted(self, it):
+        """Ctrl-C was pressed (on any rank): save this iteration and stop. Twice: at once."""
+        return it < self.end and self.interrupt.asked()
+
+    def evaluated(self, it, losses):
+        """Print, log and keep the best of an evaluation's losses {split: loss}."""
+        if not all(map(math.isfinite, losses.values())):  # stop before these weights are saved
+            split = "val" if not math.isfinite(losses["val"]) else "train"
+            raise self.diverged(it, f"evaluated {split} loss", losses[split])
+        row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"],
+                   val_ppl=math.exp(min(losses["val"], 50)))
+        self.history.append(row)
+        self.log(row)
+        if self.env.master:
+            self.bar.write(f"iter {it}: train loss {row['train_loss']:.4f}, val loss "
+                           f"{row['val_loss']:.4f}, val perplexity {row['val_ppl']:.2f}")
+        self.best_val_loss = min(self.best_val_loss, losses["val"])
+
+    def save(self, model, optimizer, it):
+        """The checkpoint of iteration `it` (scale/resume.py: atomic, one file or sharded), and the
+        loss curve."""
+        state = dict(iter_num=it, best_val_loss=self.best_val_loss, wandb_id=self.log.wandb_id)
+        resume.save_run(model, optimizer, state, self.cfg, self.env, self.extra)
+        self.saved = it
+        if self.env.master:
+            plots.loss_curve(self.log.path, os.path.join(self.cfg.out_dir, "loss.png"))
+
+    def trained(self, it, lr, t0, loss, norm, steps, skipped):
+        """Log the iteration train_step made from t0 (time.perf_counter()): its loss (averaged over
+        the processes), gradient norm, learning rate, tokens/s and MFU; float16's loss scale."""
+        env = self.env
+        if env.distributed:
+            dist.all_reduce(loss)
+            loss /= env.world_size
+        loss, norm = loss.item(), norm.item()  # the norm: every process's (FSDP2: all shards')
+        if not (skipped or math.isfinite(loss) and math.isfinite(norm)):  # (float16: skipped)
+            what, value = ("loss", loss) if not math.isfinite(loss) else ("gradient norm", norm)
+            raise self.diverged(it, what, value)
+        tok_s = self.tokens / (time.perf_counter() - t0)
+        row = dict(iter=it, loss=loss, lr=lr, tok_s=tok_s, grad_norm=norm)
+        shown = dict(loss=f"{loss:.4f}", grad_norm=f"{norm:.3g}", tok_s=f"{tok_s:,.0f}")
+        flops = flops_per_token(self.mcfg, self.hyper, self.per_generation, steps) * tok_s
+        if self.peak and flops <= self.peak * env.world_size:  # above: --peak_flops was too low
+            row["mfu"] = flops / (self.peak * env.world_size)
+            shown["mfu"] = f"{100 * row['mfu']:.1f}%"
+        self.bar.set_postfix(**shown, lr=f"{lr:.1e}")
+        if env.scaler.is_enabled():  # float16: the loss scale, and every step it skipped
+            row.update(loss_scale=env.scaler.get_scale(), skipped=skipped)
+        if it % self.cfg.log_interval == 0 or skipped:
+            self.log(row)
+
+    def diverged(self, it, what, value):
+        """The one line that stops a run whose loss or gradient norm is not finite (NaN or inf),
+        before the weights it made are saved over the last good checkpoint; every rank stops (they
+        agree)."""
+        last = (f"the last checkpoint, of iteration {self.saved} in {self.cfg.out_dir}/, is left as "
+                f"it was: --init_from=resume goes on from it (a lower --learning_rate may avoid "
+                f"this)" if self.saved is not None else "no checkpoint was saved before it")
+        return Diverged(f"training diverged: the {what} is {value} at iteration {it}; {last}")
 
 
 class RunLog:
@@ -68,7 +192,7 @@ def summary(model, cfg, env, data):
     """train.py's run in a few readable lines, printed as it starts (the full configs go into every
     checkpoint)."""
     m, meta = model.cfg, prepare.load_meta(data)
-    depth = f"{m.n_layer} {m.solver} steps" if m.is_ode else f"{m.n_layer} layers"
+    depth = m.depth_label()
     hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
     tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
     system = [f"{env.world_size} process" + "es" * (env.world_size > 1)]
@@ -135,8 +259,7 @@ def flops_per_token(mcfg, hyper_params, tokens_per_forward, steps=None):
     """Training FLOPs per token, forward + backward = 3 x forward (METHOD 7): 2 per weight per token
     for the steps and the head, attention, and the hypernetwork's generation of the weights spread
     over the tokens of one generation (a forward pass, or a process's iteration)."""
-    steps = steps or mcfg.n_layer
-    evals = steps * len(SOLVERS[mcfg.solver]) if mcfg.is_ode else mcfg.n_layer
+    evals = evaluations(mcfg, steps or mcfg.n_layer, mcfg.solver)
     C, T = mcfg.n_embd, mcfg.block_size
     # attention: q k^T and the weighted sum of v, 2 x 2 T C per token, counted causally (half of it:
     # flash attention never computes the masked half). PaLM's and nanoGPT's MFU count both halves.

@@ -16,12 +16,10 @@ only an ODE can do: `--steps` and `--solver` change a DiffEqFormer's (or weight 
 computation per call. The samples go to stdout, one line of statistics to stderr.
 """
 import functools
-import os
 import sys
 import time
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -30,8 +28,9 @@ import torch.nn.functional as F
 import checkpoints
 import common
 import prepare
-from configurator import UserError, parse_config, run_main
-from model import MAX_STEPS, SOLVERS, Context, block_shapes, evaluations, sliding_window_mask
+from configurator import as_user_error, parse_config, run_main
+from model import (SOLVERS, Context, block_shapes, check_step_count, evaluations,
+                   sliding_window_mask)
 
 
 MAX_NEW_TOKENS = 1_000_000  # a sample is held in memory and printed at the end; at the default
@@ -55,7 +54,7 @@ class SampleConfig:
     dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
 
     def __post_init__(self):
-        for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0), ("steps", 0)):
+        for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}")
         if self.max_new_tokens > MAX_NEW_TOKENS:
@@ -67,8 +66,8 @@ class SampleConfig:
             raise ValueError(f"temperature={self.temperature} must be at least 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.steps > MAX_STEPS:
-            raise ValueError(f"steps={self.steps} must be at most {MAX_STEPS}")
+        if self.steps:  # 0: the checkpoint's own
+            check_step_count(self.steps)
         if self.solver and self.solver not in SOLVERS:
             raise ValueError(f"solver={self.solver!r} is not one of {', '.join(SOLVERS)}")
 
@@ -241,7 +240,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     B, T = idx.size()
     if T == 0:
         raise ValueError("generate needs a prompt of at least one token")
-    steps, solver = model.check_steps(steps, solver)
+    steps, solver = model.cfg.depth(steps, solver)
     L = cache_length(T + max_new_tokens, model.cfg.block_size)
     state = setup_caches(model, B, L, steps, solver)
     device = idx.device
@@ -275,59 +274,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
 
 # -- the command line -----------------------------------------------------------------------------
 
-def solver_args(model, cfg, path):
-    """(steps, solver) for generate: --steps and --solver change an ODE's computation only."""
-    mcfg = model.cfg
-    if not mcfg.is_ode and (cfg.steps not in (0, mcfg.n_layer) or cfg.solver not in ("", "euler")):
-        asked = " ".join(f"--{k} {v}" for k, v in (("steps", cfg.steps), ("solver", cfg.solver))
-                         if v)
-        raise UserError(f"{path} holds a {mcfg.model_type} ({mcfg.flavor}) model of {mcfg.n_layer} "
-                        f"fixed layers, so it cannot run with {asked}: only an ODE checkpoint "
-                        f"(diffeq or shared) has a depth that is a solver step count")
-    return cfg.steps or None, cfg.solver or None
-
-
 def describe(model, steps, solver):
     """"diffeq (gpt), 6 euler steps" or "baseline (llama), 12 layers": the model as it will run."""
-    cfg = model.cfg
-    depth = f"{steps or cfg.n_layer} {solver or cfg.solver} steps" if cfg.is_ode else \
-        f"{cfg.n_layer} layers"
-    return f"{cfg.model_type} ({cfg.flavor}), {depth}"
-
-
-def read_prompt(start):
-    """The prompt text: `start` itself, or the contents of the file that FILE:path names."""
-    if start.startswith("FILE:"):
-        path = start[len("FILE:"):]
-        if os.path.isdir(path):
-            raise UserError(f"prompt file {path} is a folder: name a text file in it")
-        if not os.path.isfile(path):
-            raise UserError(f"prompt file {path} does not exist")
-        try:
-            with open(path, encoding="utf-8") as f:
-                start = f.read()
-        except UnicodeDecodeError:
-            raise UserError(f"prompt file {path} is not UTF-8 text") from None
-    return start
-
-
-def encode_prompt(text, tok, vocab_size):
-    """The prompt's token ids; an empty prompt, or one with a token the model has no embedding for
-    (a character outside a small vocabulary), is a UserError."""
-    if not text:
-        raise UserError("the prompt is empty: give --start some text (the default is a newline)")
-    ids = tok.encode(text)
-    bad = [i for i in ids if i >= vocab_size]
-    if bad:
-        if tok.name == "byte":  # name the character, not one of its UTF-8 bytes
-            char = next(c for c in text if max(tok.encode(c)) >= vocab_size)
-            what = f"{char!r} (UTF-8 bytes {list(char.encode('utf-8'))})"
-        else:
-            what = f"{tok.decode([bad[0]])!r} (token id {bad[0]})"
-        raise UserError(f"the prompt has characters this model cannot read: {what} is outside its "
-                        f"vocabulary of {vocab_size} ids ({len(bad)} such token"
-                        f"{'s' * (len(bad) > 1)} in the prompt)")
-    return ids
+    return f"{model.cfg.model_type} ({model.cfg.flavor}), {model.cfg.depth_label(steps, solver)}"
 
 
 def main(argv):
@@ -335,12 +284,10 @@ def main(argv):
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     model, ckpt = checkpoints.load_model(cfg.init_from)
     model.to(env.device)
-    steps, solver = solver_args(model, cfg, cfg.init_from)
-    try:
-        tok = prepare.get_tokenizer(ckpt["tokenizer"])
-    except ValueError as e:
-        raise UserError(str(e)) from e
-    ids = encode_prompt(read_prompt(cfg.start), tok, model.cfg.vocab_size)
+    with as_user_error(f"{cfg.init_from}: "):  # --steps and --solver: an ODE's depth only
+        steps, solver = model.cfg.depth(cfg.steps or None, cfg.solver or None)
+    tok = prepare.get_tokenizer(ckpt["tokenizer"])
+    ids = prepare.encode_prompt(prepare.read_prompt(cfg.start), tok, model.cfg.vocab_size, "--start")
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
     t0 = time.perf_counter()
     with env.autocast():

@@ -27,15 +27,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import checkpoints
 import common
-import plots
 import prepare
 import runlog
-from configurator import (ConfigError, Diverged, Interrupted, UserError, int_range, parse_config,
-                          run_main)
+from configurator import (ConfigError, Interrupted, UserError, as_user_error, int_range,
+                          parse_config, run_main)
 from model import MAX_STEPS, DiffEqFormer, ModelConfig
 from scale import memory, parallel, resume
 from scale.weightgen import WeightGenerator
@@ -227,95 +225,32 @@ def train_step(model, optimizer, batches, it, cfg, env):
 
 # -- the loop --------------------------------------------------------------------------------------
 
-def fit(model, optimizer, cfg, env, data, extra, start_iter=0, best_val_loss=float("inf")):
-    """The training loop; `extra` goes into every checkpoint. Returns the evaluation history."""
-    end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
-    if start_iter >= end:  # a resumed run that has done what it was asked
-        env.print(f"{cfg.out_dir}/ is at iteration {start_iter}: nothing left to train with "
-                  f"max_iters={cfg.max_iters}{f' and stop_at={cfg.stop_at}' * bool(cfg.stop_at)}")
-        return []
-    raw = parallel.unwrap(model)
-    mcfg = raw.cfg
-    once = parallel.generates_once(raw, cfg)
+def fit(model, optimizer, data, cfg, env, run):
+    """nanoGPT's training loop: every eval_interval iterations, and at the end, evaluate and save a
+    checkpoint; in between, one optimizer step at the scheduled learning rate. `run` (runlog.Run)
+    keeps the books: the bar, the log, the best validation loss, Ctrl-C, tokens/s and MFU."""
+    mcfg = parallel.unwrap(model).cfg
     batches = {split: common.Batches(prepare.load_tokens(data, split), mcfg.block_size,
                                      cfg.batch_size, env.device, cfg.seed, i)
                for i, split in enumerate(("train", "val"))}
-    tokens_per_iter = cfg.batch_size * mcfg.block_size * cfg.gradient_accumulation_steps
-    hyper_params = sum(p.numel() for n, p in raw.named_parameters() if n.startswith("hyper."))
-    per_generation = tokens_per_iter // env.world_size if once else cfg.batch_size * mcfg.block_size
-    peak = runlog.peak_flops(env, cfg.peak_flops)  # one device's, or None: no MFU on a CPU
-    log = runlog.RunLog(cfg, start_iter, env.master, {**asdict(cfg), **mcfg.to_dict()},
-                        extra.get("wandb_id"))
-    history, interrupt = [], common.Interrupt(env, cfg.out_dir)
-    saved = start_iter or None  # the iteration of out_dir's checkpoint (a resumed run's: its own)
     model.train()
-    bar = tqdm(range(start_iter, end + 1), initial=start_iter, total=cfg.max_iters,
-               disable=not env.master, dynamic_ncols=True, desc="train")
-    for it in bar:
-        evaluating = it % cfg.eval_interval == 0 or it == end
-        if evaluating and (it > start_iter or start_iter == 0):  # a resumed run has evaluated it
-            losses = evaluate(model, batches, cfg, env)
-            if not all(map(math.isfinite, losses.values())):  # stop before these weights are saved
-                split = "val" if not math.isfinite(losses["val"]) else "train"
-                raise diverged(it, f"evaluated {split} loss", losses[split], cfg.out_dir, saved)
-            row = dict(iter=it, train_loss=losses["train"], val_loss=losses["val"],
-                       val_ppl=math.exp(min(losses["val"], 50)))
-            history.append(row)
-            log(row)
-            if env.master:
-                bar.write(f"iter {it}: train loss {row['train_loss']:.4f}, val loss "
-                          f"{row['val_loss']:.4f}, val perplexity {row['val_ppl']:.2f}")
-            best_val_loss = min(best_val_loss, losses["val"])
-        stop = it < end and interrupt.asked()  # Ctrl-C: save this iteration, stop; twice: at once
-        if (evaluating and it > start_iter) or stop:
-            state = dict(iter_num=it, best_val_loss=best_val_loss, wandb_id=log.wandb_id)
-            resume.save_run(model, optimizer, state, cfg, env, extra)
-            saved = it
-            if env.master:
-                plots.loss_curve(log.path, os.path.join(cfg.out_dir, "loss.png"))
+    for it in run.iterations():
+        if run.evaluation_due(it):
+            run.evaluated(it, evaluate(model, batches, cfg, env))
+        stop = run.interrupted(it)  # Ctrl-C: save this iteration, then stop
+        if run.checkpoint_due(it) or stop:
+            run.save(model, optimizer, it)
         if stop:
-            raise Interrupted(f"interrupted: iteration {it} saved in {cfg.out_dir}/; continue with "
-                              f"the same command and --init_from=resume")
-        if it == end:
+            raise Interrupted(f"interrupted: iteration {it} saved in {cfg.out_dir}/; continue "
+                              f"with the same command and --init_from=resume")
+        if it == run.end:
             break
-        t0 = time.perf_counter()
         lr = learning_rate(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, norm, steps, skipped = train_step(model, optimizer, batches["train"], it, cfg, env)
-        if env.distributed:
-            dist.all_reduce(loss)
-            loss /= env.world_size
-        loss, norm = loss.item(), norm.item()  # the norm: every process's (FSDP2: all shards')
-        if not (skipped or math.isfinite(loss) and math.isfinite(norm)):  # (float16: skipped)
-            what, value = ("loss", loss) if not math.isfinite(loss) else ("gradient norm", norm)
-            raise diverged(it, what, value, cfg.out_dir, saved)
-        dt = time.perf_counter() - t0
-        tok_s = tokens_per_iter / dt
-        row = dict(iter=it, loss=loss, lr=lr, tok_s=tok_s, grad_norm=norm)
-        shown = dict(loss=f"{loss:.4f}", grad_norm=f"{norm:.3g}", tok_s=f"{tok_s:,.0f}")
-        flops = runlog.flops_per_token(mcfg, hyper_params, per_generation, steps) * tok_s
-        if peak and flops <= peak * env.world_size:  # above it, a --peak_flops was too low
-            row["mfu"] = flops / (peak * env.world_size)
-            shown["mfu"] = f"{100 * row['mfu']:.1f}%"
-        bar.set_postfix(**shown, lr=f"{lr:.1e}")
-        if env.scaler.is_enabled():  # float16: the loss scale, and every step it skipped
-            row.update(loss_scale=env.scaler.get_scale(), skipped=skipped)
-        if it % cfg.log_interval == 0 or skipped:
-            log(row)
-    bar.close()
-    log.close()
-    interrupt.close()
-    return history
-
-
-def diverged(it, what, value, out_dir, saved):
-    """The one line that stops a run whose loss or gradient norm is not finite (NaN or inf), before
-    the weights it made are saved over the last good checkpoint; every rank stops (they agree)."""
-    last = (f"the last checkpoint, of iteration {saved} in {out_dir}/, is left as it was: "
-            f"--init_from=resume goes on from it (a lower --learning_rate may avoid this)"
-            if saved is not None else "no checkpoint was saved before it")
-    return Diverged(f"training diverged: the {what} is {value} at iteration {it}; {last}")
+        t0 = time.perf_counter()
+        run.trained(it, lr, t0, *train_step(model, optimizer, batches["train"], it, cfg, env))
+    return run.history
 
 
 # -- the script ------------------------------------------------------------------------------------
@@ -327,9 +262,9 @@ def check_launch(cfg, mcfg):
     for package in ("wandb", "tensorboard"):  # the optional mirrors of log.jsonl
         if getattr(cfg, package) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--{package} needs the {package} package: pip install {package}")
-    if (cfg.train_steps or cfg.time_jitter) and not mcfg.is_ode:
-        raise ConfigError(f"--train_steps and --time_jitter train an ODE; a {mcfg.model_type} "
-                          f"model has fixed layers")
+    with as_user_error(f"--train_steps={cfg.train_steps}: ", ConfigError):  # an ODE's depths
+        for n in int_range(cfg.train_steps or str(mcfg.n_layer), "train_steps", MAX_STEPS):
+            mcfg.depth(n)
     if cfg.time_jitter and not (mcfg.model_type == "diffeq" and cfg.generate_once):
         raise ConfigError("--time_jitter moves the times at which a diffeq model's weights are "
                           "generated once per optimizer step: it needs model_type=diffeq and "
@@ -442,7 +377,8 @@ def main(argv):
         resumed = ckpt if cfg.init_from == "resume" else {}  # its wandb run goes on
         extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
                      tokenizer=cfg.tokenizer, wandb_id=resumed.get("wandb_id"))
-        fit(model, optimizer, cfg, env, data, extra, start, best)
+        with runlog.Run(model, cfg, env, extra, start, best) as run:
+            fit(model, optimizer, data, cfg, env, run)
     finally:
         if lock:
             lock.release()

@@ -36,7 +36,8 @@ import runlog
 import sample
 import train
 from configurator import ConfigError, fields_of, parse_config, read_config_file, run_main, split_args
-from model import SOLVERS, DiffEqFormer, ModelConfig, stage_times, time_dtype
+from model import DiffEqFormer, ModelConfig, stage_times, time_dtype
+from model import evaluations as model_evaluations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where the probes run
 
@@ -175,7 +176,7 @@ def build(name, mcfg, env):
 
 
 def evaluations(model):
-    return model.cfg.n_layer * len(SOLVERS[model.cfg.solver]) if model.cfg.is_ode else model.cfg.n_layer
+    return model_evaluations(model.cfg, model.cfg.n_layer, model.cfg.solver)
 
 
 def hyper_params(model):

@@ -226,7 +226,7 @@ def planned_bytes(mcfg, tcfg, world, dtype):
     all-reduces every gradient it holds once."""
     import train
     from scale import memory, parallel
-    from model import SOLVERS, DiffEqFormer, ModelConfig
+    from model import DiffEqFormer, ModelConfig, evaluations
     m = tcfg.gradient_accumulation_steps // world  # micro-steps per process
     b = dtype.itemsize  # compute; FSDP2 gathers the units in it under its policy, the root in fp32
     out = {}
@@ -238,7 +238,7 @@ def planned_bytes(mcfg, tcfg, world, dtype):
         units = sum(sum(p.numel() for p in u.parameters()) for u in parallel.fsdp_units(model))
         root = P - units
         once = parallel.generates_once(model, cfg)
-        generated = memory.generated_numel(model) * mcfg.n_layer * len(SOLVERS[mcfg.solver]) if once else 0
+        generated = memory.generated_numel(model) * evaluations(mcfg, mcfg.n_layer, mcfg.solver) if once else 0
         mlps = sum(p.numel() for n, p in model.named_parameters() if "time_mlp" in n) if once else 0
         if cfg.parallel == "ddp":
             out[name] = 2 * 4 * ((P - units if once else P) + generated)

@@ -29,8 +29,8 @@ import common
 import plots
 import prepare
 import train
-from configurator import UserError, parse_config, run_main
-from model import MAX_STEPS, SOLVERS, time_dtype
+from configurator import UserError, as_user_error, parse_config, run_main
+from model import SOLVERS, check_step_count, evaluations, time_dtype
 
 
 @dataclass
@@ -48,8 +48,10 @@ class DepthConfig:
 
     def __post_init__(self):
         step_counts = self.step_counts()
-        if not step_counts or any(not 1 <= n <= MAX_STEPS for n in step_counts):
-            raise ValueError(f"steps={self.steps!r}: give step counts in 1..{MAX_STEPS}, e.g. 3,6,12,24")
+        if not step_counts:
+            raise ValueError(f"steps={self.steps!r}: give step counts, e.g. 3,6,12,24")
+        for n in step_counts:
+            check_step_count(n)
         unknown = [s for s in self.solver_names() if s not in SOLVERS]
         if unknown or not self.solver_names():
             raise ValueError(f"solvers={self.solvers!r}: choose from {', '.join(SOLVERS)}")
@@ -140,19 +142,19 @@ def main(argv):
     cfg, _ = parse_config(argv, DepthConfig)
     env = common.setup(cfg.device, "float32", cfg.seed)
     model, ckpt = checkpoints.load_model(cfg.init_from)
-    if not model.cfg.is_ode:
-        raise UserError(f"{cfg.init_from} holds a {model.cfg.model_type} model with {model.cfg.n_layer} fixed layers: "
-                        f"only an ODE checkpoint (diffeq or shared) runs at other step counts")
+    points = [(solver, n) for solver in cfg.solver_names() for n in cfg.step_counts()]
+    with as_user_error(f"{cfg.init_from}: "):  # an ODE: any step count and solver
+        for solver, n in points:
+            model.cfg.depth(n, solver)
     model.to(env.device)
     known = {k: v for k, v in ckpt.get("train_config", {}).items() if k in train.TrainConfig.__dataclass_fields__}
     tcfg = train.TrainConfig(**{**known, "eval_iters": cfg.eval_iters, "batch_size": cfg.batch_size, "seed": cfg.seed})
     data = common.prepare_data(tcfg, env)  # the validation text the checkpoint was trained against
     val = common.Batches(prepare.load_tokens(data, "val"), model.cfg.block_size, cfg.batch_size, env.device, cfg.seed, 1)
     results = []
-    points = [(solver, n) for solver in cfg.solver_names() for n in cfg.step_counts()]
     for solver, n in tqdm(points, desc="depth", dynamic_ncols=True):
         loss = train.evaluate(model, {"val": val}, tcfg, env, steps=n, solver=solver)["val"]
-        results.append(dict(solver=solver, steps=n, evaluations=n * len(SOLVERS[solver]), val_loss=loss))
+        results.append(dict(solver=solver, steps=n, evaluations=evaluations(model.cfg, n, solver), val_loss=loss))
     trained = model.cfg.n_layer
     print(f"{cfg.init_from}: validation loss ({cfg.eval_iters} x {cfg.batch_size} sequences), trained with "
           f"{trained} steps{' (' + ckpt['train_config']['train_steps'] + ' per iteration)' if ckpt.get('train_config', {}).get('train_steps') else ''}")
@@ -162,9 +164,9 @@ def main(argv):
     if cfg.tolerance_values():
         print("dopri5 (torchdiffeq, adaptive), rtol = atol:\n   tol  evaluations  val_loss")
     for tol in cfg.tolerance_values():
-        loss, evaluations = adaptive_loss(model, val, tcfg, env, tol)
-        results.append(dict(solver="dopri5", tol=tol, steps=None, evaluations=evaluations, val_loss=loss))
-        print(f"{tol:>6g} {evaluations:>12.1f} {loss:>9.4f}")
+        loss, nfe = adaptive_loss(model, val, tcfg, env, tol)
+        results.append(dict(solver="dopri5", tol=tol, steps=None, evaluations=nfe, val_loss=loss))
+        print(f"{tol:>6g} {nfe:>12.1f} {loss:>9.4f}")
     if cfg.adjoint:
         cosine = gradient_cosine(model.eval(), *val.get(train.EVAL_ITERATION, 0))
         print(f"gradient cosine, adjoint against backpropagation ({model.cfg.solver}, {trained} steps, one "

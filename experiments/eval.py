@@ -41,7 +41,7 @@ import common
 import plots
 import prepare
 import sample
-from configurator import ConfigError, UserError, parse_config, run_main
+from configurator import ConfigError, UserError, as_user_error, parse_config, run_main
 from model import time_dtype
 
 
@@ -228,10 +228,11 @@ def load_lm(path, cfg, env):
     model, ckpt = checkpoints.load_model(path)
     tokenizer = ckpt["tokenizer"]
     model.to(env.device)
-    steps, solver = sample.solver_args(model, cfg, path)
+    with as_user_error(f"{path}: "):  # --steps and --solver: an ODE's depth only
+        steps, solver = model.cfg.depth(cfg.steps or None, cfg.solver or None)
     mcfg = model.cfg
     info = dict(checkpoint=path, label=sample.describe(model, steps, solver), model_type=mcfg.model_type,
-                flavor=mcfg.flavor, steps=steps or mcfg.n_layer, solver=solver or mcfg.solver, tokenizer=tokenizer)
+                flavor=mcfg.flavor, steps=steps, solver=solver, tokenizer=tokenizer)
     return make_lm(model, prepare.get_tokenizer(tokenizer), steps=steps, solver=solver, env=env,
                    batch_size=cfg.batch_size, max_gen_toks=cfg.max_gen_toks, info=info)
 

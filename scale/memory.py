@@ -12,7 +12,7 @@ import os
 import torch
 
 from configurator import ConfigError
-from model import SOLVERS, DiffEqFormer, TimeDependentLinear, TimeDependentNorm
+from model import DiffEqFormer, TimeDependentLinear, TimeDependentNorm, evaluations
 from scale.parallel import fsdp_units
 
 
@@ -83,7 +83,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     accum = -(-cfg.gradient_accumulation_steps // world)  # micro-steps per process
     # the most steps drawn
     steps = int(cfg.train_steps.split("-")[-1]) if cfg.train_steps and mcfg.is_ode else mcfg.n_layer
-    evals = steps * len(SOLVERS[mcfg.solver])
+    evals = evaluations(mcfg, steps, mcfg.solver)
     B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
     generated = generated_numel(model) * evals if diffeq else 0  # entries of W(t_k) for every k
     autocast = dtype != torch.float32

@@ -87,7 +87,7 @@ class WeightGenerator:
         times moved back by `offsets` (steps,) (METHOD 8.2). With grad, as one leaf per time that
         collects dL/dW for backward(); without (evaluation), as plain tensors. Returns them, as
         weights() does."""
-        steps, solver = self.model.check_steps(steps, solver)
+        steps, solver = self.model.cfg.depth(steps, solver)
         ts = self.model.times(steps, solver, offsets)
         self.release()
         with torch.set_grad_enabled(grad):

@@ -301,7 +301,7 @@ def test_spectral_of_a_layer_model_goes_layer_by_layer(tmp_path):
     ("no attention", "does not hold the weights of its baseline model"),
     ("empty prompt", "prompt is empty"),
     ("long prompt", "longer than the model's context of 48"),
-    ("gpt --steps", "--steps applies only to an ODE checkpoint"),
+    ("gpt --steps", r"g.pt: a baseline \(gpt\) model has 3 fixed layers and runs them with euler only, not 6 "),
     ("gpt --times", "--times applies only to an ODE checkpoint"),
     ("bad option", "--dim"),
 ])

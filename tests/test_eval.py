@@ -148,7 +148,7 @@ def test_unknown_tasks_and_missing_checkpoints_are_one_clear_error(tmp_path):
         eval.main(["--init_from=nowhere.pt", "--tasks=tiny_choice", f"--include_path={TASK_DIR}"])
     with pytest.raises(UserError, match=r"unknown task 'no_such_task': not one of lm-eval's tasks nor in"):
         eval.main([f"--init_from={path}", "--tasks=tiny_choice,no_such_task", f"--include_path={TASK_DIR}"])
-    with pytest.raises(UserError, match=r"baseline \(gpt\) model of 3 fixed layers, so it cannot run with --steps 5"):
+    with pytest.raises(UserError, match=r"gpt.pt: a baseline \(gpt\) model has 3 fixed layers and runs them with euler only, not 5 "):
         eval.main([f"--init_from={save_model(tmp_path / 'gpt.pt', random_model('baseline'))}", "--steps=5",
                    "--tasks=tiny_choice", f"--include_path={TASK_DIR}"])
 

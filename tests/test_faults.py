@@ -254,8 +254,8 @@ def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(t
 
 
 @pytest.mark.parametrize("main,argv,message", [
-    (finetune.main, ["--steps", "100000"], "steps=100000 must be in 1..1024"),
-    (sample.main, ["--steps", "5000"], "steps=5000 must be at most 1024"),
+    (finetune.main, ["--steps", "100000"], "steps=100000 must be an integer in 1..1024"),
+    (sample.main, ["--steps", "5000"], "steps=5000 must be an integer in 1..1024"),
 ])
 def test_step_counts_are_bounded_where_the_flag_is_parsed(main, argv, message, capsys, monkeypatch):
     assert message in one_line(main, argv, capsys, monkeypatch)

@@ -100,7 +100,7 @@ def test_baseline_refuses_other_depths(tmp_path):
     gpt = DiffEqFormer(ModelConfig(**{**TINY, "model_type": "baseline"}))
     path = tmp_path / "gpt.pt"
     checkpoints.save(dict(kind=checkpoints.MODEL, model_config=gpt.cfg.to_dict(), model=gpt.state_dict()), path)
-    with pytest.raises(UserError, match="3 fixed layers, so it cannot be fine-tuned with --steps 9: only a DiffEqFormer"):
+    with pytest.raises(UserError, match="gpt.pt: a baseline \\(gpt\\) model has 3 fixed layers and runs them with euler only, not 9 "):
         lora.at_depth(checkpoints.load_model(str(path))[0], 9, str(path))
     same = lora.at_depth(checkpoints.load_model(str(path))[0], 0, str(path))
     assert same.cfg.n_layer == 3

@@ -75,7 +75,7 @@ def test_cached_logits_equal_recomputed_logits_at_every_position(model_type, fla
     solver = solver if model.cfg.is_ode else None
     n = 2 * BLOCK if flavor == "llama" else BLOCK
     idx = prompt(n)
-    state = sample.setup_caches(model, 2, BLOCK, *model.check_steps(steps, solver))
+    state = sample.setup_caches(model, 2, BLOCK, *model.cfg.depth(steps, solver))
     logits = sample.prefill(model, idx[:, :4], state)
     assert (logits - recomputed_logits(model, idx[:, :4], steps, solver)).abs().max() < 1e-10
     for p in range(4, n):
@@ -328,9 +328,9 @@ def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys)
                for args in ([], ["--steps=1"], ["--steps=2"], ["--solver=rk4"])}
     assert len(outputs) == 4
     gpt = save_model(tmp_path / "gpt.pt", byte_model("baseline"))
-    with pytest.raises(UserError, match=r"baseline \(gpt\) model of 3 fixed layers, so it cannot run with --steps 9"):
+    with pytest.raises(UserError, match=r"gpt.pt: a baseline \(gpt\) model has 3 fixed layers and runs them with euler only, not 9 "):
         run_sample(capsys, gpt, "--steps=9")
-    with pytest.raises(UserError, match="cannot run with --solver rk4"):
+    with pytest.raises(UserError, match="materialized \\(gpt\\) model has 4 fixed layers and runs them with euler only, not 4 rk4 steps"):
         run_sample(capsys, save_model(tmp_path / "m.pt", byte_model("materialized")), "--solver=rk4")
 
 

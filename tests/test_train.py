@@ -162,12 +162,12 @@ def test_the_maximum_step_count_is_accepted_wherever_steps_are_given():
                 with pytest.raises(ConfigError, match=str(MAX_STEPS)):
                     parse_config(argv, *classes)
         if fine:
-            assert model.check_steps(n, "rk4") == (n, "rk4")
+            assert model.cfg.depth(n, "rk4") == (n, "rk4")
             drawn, _ = train.iteration_steps(0, train.TrainConfig(train_steps=str(n)), model.cfg)
             assert drawn == n
         else:
             with pytest.raises(ValueError, match=f"in 1..{MAX_STEPS}"):
-                model.check_steps(n, "rk4")
+                model.cfg.depth(n, "rk4")
 
 
 def test_configurator_rejects_unknown_keys_in_files(tmp_path):
@@ -720,7 +720,8 @@ def test_any_depth_draws_are_reproducible_and_resume_exactly(tmp_path, shakespea
 
 
 def test_any_depth_options_are_refused_for_a_model_with_fixed_layers():
-    with pytest.raises(UserError, match="--train_steps and --time_jitter train an ODE; a baseline model"):
+    with pytest.raises(UserError, match=r"--train_steps=3-9: a baseline \(gpt\) model has \d+ fixed layers and "
+                                         r"runs them with euler only, not 3 euler steps"):
         train.main(["--model_type=baseline", "--train_steps=3-9"])
     with pytest.raises(ConfigError, match="train_steps='9-3': use a whole number or a range like 3-9"):
         parse_config(["--train_steps=9-3"], ModelConfig, train.TrainConfig)
@@ -740,7 +741,8 @@ def test_depth_table_on_a_checkpoint(tmp_path, shakespeare):
     assert at_trained == pytest.approx(final["val_loss"], abs=1e-6)  # the run's own number at its own depth
     assert os.path.getsize(tmp_path / "depth" / "depth.png") > 5000
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1", "--model_type=baseline", out="gpt")
-    with pytest.raises(UserError, match="fixed layers: only an ODE checkpoint"):
+    with pytest.raises(UserError, match=r"gpt/ckpt.pt: a baseline \(gpt\) model has \d+ fixed layers and runs them "
+                                         r"with euler only, not \d+ euler steps"):
         depth.main([f"--init_from={tmp_path / 'gpt' / 'ckpt.pt'}"])
 
 
