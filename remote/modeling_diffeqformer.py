@@ -119,7 +119,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         elif cache is None and (self.config.use_cache if use_cache is None else use_cache) \
                 and not self.training:  # (training keeps none: checkpointing recomputes attention)
             cache = DiffEqFormerCache()
-        steps, solver = self.model.check_steps(self.config.steps, self.config.solver)
+        steps, solver = self.model.cfg.depth(self.config.steps, self.config.solver)
         weights = self.step_weights(cache, steps, solver)
         kept = torch.arange(max(T - logits_to_keep, 0) if logits_to_keep else 0, T,
                             device=input_ids.device)  # the columns whose logits come back
@@ -156,7 +156,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         to layer j's keys and values, each token to the real ones among those before it, the last
         block_size of them (a sliding window), at most block_size new tokens per pass (model.py's
         bound on tokens fed through caches)."""
-        L, (B, T), device = self.model.cfg.block_size, input_ids.shape, input_ids.device
+        L, T, device = self.model.cfg.block_size, input_ids.size(1), input_ids.device
         kv = [Evaluation(cache, j) for j in range(len(weights))]
         past, logits = cache.get_seq_length(), []
         for start in range(0, T, L):

@@ -93,7 +93,7 @@ def test_help_shows_the_defaults_a_plain_run_uses(script, shown, capsys):
         importlib.import_module(script).main(["--help"])
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
     assert exit_info.value.code == 0 and all(any(line.startswith(s) for line in lines) for s in shown), lines
-    assert lines[1].startswith(f"defaults: what this command runs with, the values of config/")
+    assert lines[1].startswith("defaults: what this command runs with, the values of config/")
     with pytest.raises(SystemExit):  # a config file named: its values, and the fields' own beside
         importlib.import_module(script).main(["config/wikitext2.py", "--help"])
     assert "  --max_iters=1000 (int, config/wikitext2.py; else 2000)\n" in capsys.readouterr().out
