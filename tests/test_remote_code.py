@@ -329,24 +329,6 @@ def test_bad_arguments_are_one_line(exported):
         theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
 
 
-def test_peft_adapts_the_modules_that_model_py_calls(exported):
-    """peft's LoRA replaces nn.Linear modules: in a DiffEqFormer, "all-linear" finds the
-    hypernetwork's time MLPs (called as modules), which then train; a block's linears it wraps too,
-    but model.py reads their weights into F.linear and never calls them: nothing reaches the loss."""
-    peft = pytest.importorskip("peft")  # an optional extra (requirements-eval.txt)
-    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(10))
-    model = peft.get_peft_model(auto(exported["diffeq"]), peft.LoraConfig(r=2, target_modules="all-linear"))
-    assert {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")} == {"L1", "L2"}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # (zero at the start: the model unchanged)
-                p.normal_(0, 0.1)
-        assert not torch.allclose(model(idx).logits, auto(exported["diffeq"])(idx).logits)
-    gpt = peft.get_peft_model(auto(exported["gpt"]), peft.LoraConfig(r=2, target_modules=["attn", "proj", "fc", "fc2"]))
-    with pytest.raises(RuntimeError, match="does not require grad"):
-        gpt.train()(idx, labels=idx).loss.backward()
-
-
 # -- the folder's card and lm-eval's command ------------------------------------------------------
 
 def code_blocks(card, language):
