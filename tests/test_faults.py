@@ -480,3 +480,23 @@ def test_training_that_diverges_stops_in_one_line_and_keeps_the_last_good_checkp
                     f"iteration 3 in {tmp_path / 'out'}/, is left as it was: --init_from=resume goes on from it (a "
                     f"lower --learning_rate may avoid this)")
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 3
+
+
+
+# -- faults of the re-try of issue 38's list from a fresh clone (f5e0794) ---------------------
+
+def test_resuming_on_other_data_is_refused_before_that_data_is_prepared(tmp_path, shakespeare,
+                                                                         capsys, monkeypatch):
+    """--init_from=resume --dataset=wikitext2 downloaded (or tokenised) the other data first, and
+    only then refused to switch a run's data: offline, its one line was the download's."""
+    import common
+    args = [f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1",
+            "--eval_interval=1"]
+    train.main(tiny_and(*args, f"--input_file={shakespeare}"))
+    monkeypatch.setattr(common, "prepare_data",
+                        lambda *a: pytest.fail("the data was prepared before the refusal"))
+    resume = tiny_and(*args, "--init_from=resume", "--dataset=wikitext2")
+    line = one_line(train.main, resume, capsys, monkeypatch)
+    assert line.startswith(f"error: the run in {tmp_path / 'out'} trains on --dataset=shakespeare: "
+                           f"resuming it on wikitext2 would switch its data mid-run")
+
