@@ -500,3 +500,16 @@ def test_resuming_on_other_data_is_refused_before_that_data_is_prepared(tmp_path
     assert line.startswith(f"error: the run in {tmp_path / 'out'} trains on --dataset=shakespeare: "
                            f"resuming it on wikitext2 would switch its data mid-run")
 
+
+def test_the_gpu_check_on_a_full_disk_stops_before_its_tests_and_leaves_no_empty_file(
+        tmp_path, capsys, monkeypatch, full_disk):
+    """With its tests (the default, which the test above leaves out), the check opened their log,
+    ran them into a disk that took no byte, and left the log empty behind its one line."""
+    from experiments import gpu_check
+    full_disk(tmp_path / "out")
+    monkeypatch.setattr(gpu_check.subprocess, "Popen",
+                        lambda *a, **k: pytest.fail("the tests ran on a full disk"))
+    line = one_line(gpu_check.main, [f"--out={tmp_path / 'out'}"], capsys, monkeypatch)
+    assert line == (f"error: could not write {tmp_path / 'out' / 'gpu_check.json'}: No space left "
+                    f"on device; free some space or write elsewhere")
+    assert empty_files(tmp_path / "out") == []
