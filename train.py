@@ -47,7 +47,8 @@ class TrainConfig:
     # output and resuming
     out_dir: str = "out"
     init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
-    # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights) or a Hub id to start from
+                                # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights)
+                                # or a Hub id to start from
     overwrite: bool = False  # start a new run in an out_dir that holds a run's checkpoint, which
                              # the new run replaces (without it such an out_dir is refused)
     eval_interval: int = 200
