@@ -47,7 +47,8 @@ class TrainConfig:
     # output and resuming
     out_dir: str = "out"
     init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
-    # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights) or a Hub id to start from
+                                # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights)
+                                # or a Hub id to start from
     overwrite: bool = False  # start a new run in an out_dir that holds a run's checkpoint, which
                              # the new run replaces (without it such an out_dir is refused)
     eval_interval: int = 200
@@ -309,8 +310,8 @@ def setup_run(model, cfg, env, ckpt=None):
 
 
 def model_config_for(mcfg, cfg, env, given, data, start=None):
-    """(the model config of this run, the checkpoint it starts from or None): a checkpoint's shape
-    (out_dir's to resume, or `start`, whose context a smaller --block_size crops), or the given one
+    """(the model config of this run, the checkpoint it starts from or None): the shape of `start`
+    (out_dir's run to resume, or weights whose context a smaller --block_size crops), or the given one
     with the data's vocabulary padded to a multiple of 64 (50257 -> 50304), whose padded rows never
     get probability (tokenizer_vocab)."""
     vocab = prepare.load_meta(data)["vocab_size"]
@@ -320,8 +321,7 @@ def model_config_for(mcfg, cfg, env, given, data, start=None):
             raise UserError(f"vocab_size={size} is smaller than the tokenizer's {vocab}")
         padded = dict(vocab_size=size, tokenizer_vocab=vocab if size > vocab else 0)
         return ModelConfig(**{**mcfg.to_dict(), **padded}), None
-    resuming = cfg.init_from == "resume"
-    ckpt = resume.load_run(cfg, env) if resuming else start
+    resuming, ckpt = cfg.init_from == "resume", start
     changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}
     shorter = mcfg.block_size < ckpt["model_config"]["block_size"]
     if not resuming and "block_size" in given and shorter:  # nanoGPT's crop_block_size
@@ -363,6 +363,8 @@ def main(argv):
         # offline and not cached: one line, before the data (a new run may choose bytes instead)
         prepare.get_tokenizer(cfg.tokenizer, choosable=cfg.init_from == "scratch")
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
+        if cfg.init_from == "resume":  # out_dir's run, whose other --dataset is refused before the data
+            start = resume.load_run(cfg, env)
         data = common.prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data, start)
         check_launch(cfg, mcfg)  # again: the model type may come from a checkpoint

@@ -21,8 +21,9 @@ minute (CI does), so that it keeps working until a GPU is lent.
 
 Every part looks at the clock first: one that the budget would not cover is skipped with a
 "skipped: time" row. One table is printed and written to OUT/gpu_check.txt, its numbers to
-OUT/gpu_check.json (after every part, so that a killed run leaves what it measured), the tests' log and
-junit XML beside them.
+OUT/gpu_check.json (before the first part, so that a full disk is one line before any work, and
+after every part, so that a killed run leaves what it measured), the tests' log and junit XML beside
+them.
 """
 import dataclasses
 import gc
@@ -498,6 +499,7 @@ def main(argv):
                                torch=torch.__version__, cuda=torch.version.cuda,
                                peak_tflops=peak / 1e12 if peak else None),
                   budget_s=cfg.budget_s, rows=[], ratios=[], skipped=[], failed=[], profile={})
+    save(report, cfg, clock)  # a full disk or quota: one line before the tests write their log
     run_tests(cfg, clock, report)
     save(report, cfg, clock)
     report["shape"] = dict(**{k: getattr(mcfg, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size",

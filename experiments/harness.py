@@ -35,7 +35,8 @@ def check(args, argv):
                           f"this project's checkpoints, --model {eval.LM_NAME} --model_args "
                           f"init_from=CKPT; an exported folder runs in lm-eval's own command: "
                           f"python -m lm_eval --model hf --model_args "
-                          f"pretrained=DIR,trust_remote_code=True (docs/export.md)")
+                          f"pretrained=DIR,trust_remote_code=True (a folder of byte tokens adds "
+                          f",prefix_token_id=10; docs/export.md)")
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"--limit {args.limit:g}: give the documents per task (a fraction of "
                           f"them if below 1), or leave --limit out for all of them")

@@ -208,9 +208,11 @@ def run(jobs, workers, results_of, runs, ledger=None):
     in it. A job that did not finish starts over. Ctrl-C stops the jobs under way too.
     The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
     running = {}  # name: (folder, argv, process, log, start time)
+    bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
     try:
-        return schedule(jobs, workers, results_of, runs, ledger, running)
+        return schedule(jobs, workers, results_of, runs, ledger, running, bar)
     except BaseException as e:  # Ctrl-C, or an error here: no job is left running on its own
+        bar.close()  # its last line ends here, not after the line that says why it stopped
         for _, _, proc, log, _ in running.values():
             proc.terminate()
             proc.wait()
@@ -221,12 +223,12 @@ def run(jobs, workers, results_of, runs, ledger=None):
         raise
 
 
-def schedule(jobs, workers, results_of, runs, ledger, running):
-    """run()'s loop; `running` holds the jobs under way, for run() to stop."""
+def schedule(jobs, workers, results_of, runs, ledger, running, bar):
+    """run()'s loop; `running` holds the jobs under way, for run() to stop; `bar` counts the
+    jobs that ended."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
     done, failed = set(), set()
-    bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
 
     def end(name, ok):
         pending.pop(name, None)

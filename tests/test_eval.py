@@ -220,7 +220,8 @@ def test_lm_evals_own_command_line_runs_a_checkpoint_by_name(tmp_path, monkeypat
      "device='tpu': use auto, cpu, cuda, cuda:N (the N-th GPU) or mps"),
     (["--tasks", "tiny_choice", "--model", "hf"], "--model hf: experiments.harness runs this project's "
      "checkpoints, --model diffeqformer --model_args init_from=CKPT; an exported folder runs in lm-eval's own "
-     "command: python -m lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True"),
+     "command: python -m lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True (a folder "
+     "of byte tokens adds ,prefix_token_id=10; docs/export.md)"),
 ])
 def test_the_harness_says_what_to_do_in_one_line(args, message, monkeypatch, capsys):
     """What lm-eval's own command answers with a traceback (or runs on, or only after the model

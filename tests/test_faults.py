@@ -480,3 +480,36 @@ def test_training_that_diverges_stops_in_one_line_and_keeps_the_last_good_checkp
                     f"iteration 3 in {tmp_path / 'out'}/, is left as it was: --init_from=resume goes on from it (a "
                     f"lower --learning_rate may avoid this)")
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 3
+
+
+
+# -- faults of the re-try of issue 38's list from a fresh clone (f5e0794) ---------------------
+
+def test_resuming_on_other_data_is_refused_before_that_data_is_prepared(tmp_path, shakespeare,
+                                                                         capsys, monkeypatch):
+    """--init_from=resume --dataset=wikitext2 downloaded (or tokenised) the other data first, and
+    only then refused to switch a run's data: offline, its one line was the download's."""
+    import common
+    args = [f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1",
+            "--eval_interval=1"]
+    train.main(tiny_and(*args, f"--input_file={shakespeare}"))
+    monkeypatch.setattr(common, "prepare_data",
+                        lambda *a: pytest.fail("the data was prepared before the refusal"))
+    resume = tiny_and(*args, "--init_from=resume", "--dataset=wikitext2")
+    line = one_line(train.main, resume, capsys, monkeypatch)
+    assert line.startswith(f"error: the run in {tmp_path / 'out'} trains on --dataset=shakespeare: "
+                           f"resuming it on wikitext2 would switch its data mid-run")
+
+
+def test_the_gpu_check_on_a_full_disk_stops_before_its_tests_and_leaves_no_empty_file(
+        tmp_path, capsys, monkeypatch, full_disk):
+    """With its tests (the default, which the test above leaves out), the check opened their log,
+    ran them into a disk that took no byte, and left the log empty behind its one line."""
+    from experiments import gpu_check
+    full_disk(tmp_path / "out")
+    monkeypatch.setattr(gpu_check.subprocess, "Popen",
+                        lambda *a, **k: pytest.fail("the tests ran on a full disk"))
+    line = one_line(gpu_check.main, [f"--out={tmp_path / 'out'}"], capsys, monkeypatch)
+    assert line == (f"error: could not write {tmp_path / 'out' / 'gpu_check.json'}: No space left "
+                    f"on device; free some space or write elsewhere")
+    assert empty_files(tmp_path / "out") == []

@@ -235,8 +235,10 @@ def test_run_starts_the_lower_stage_first(tmp_path):
     assert order.read_text() == "2103"  # stage 1 (longest first), then 2, then 3
 
 
-def test_ctrl_c_stops_the_jobs_under_way_too(tmp_path, monkeypatch):
-    """Ctrl-C (SIGINT to the script alone) left its train.py child running as an orphan."""
+def test_ctrl_c_stops_the_jobs_under_way_too(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (SIGINT to the script alone) left its train.py child running as an orphan; the jobs'
+    bar, left open, was drawn again after run_main's "stopped by Ctrl-C" line, which it followed
+    on the same line."""
     pid = tmp_path / "pid"
     job = Job("long", python(f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); "
                              f"time.sleep(600)"))
@@ -253,6 +255,7 @@ def test_ctrl_c_stops_the_jobs_under_way_too(tmp_path, monkeypatch):
     except ProcessLookupError:  # ended and reaped
         pass
     assert str(stopped.value) == "stopped the jobs under way too (long); the same command starts them again"
+    assert capsys.readouterr().err.endswith("\n")  # the bar closed: the next line stands alone
 
 
 def test_a_job_that_did_not_finish_starts_over_past_its_checkpoint(tmp_path):

@@ -78,6 +78,7 @@ def test_help_lists_every_key_with_its_default_and_comment(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert "--d_t=20 (int)  time-embedding dimension" in out and "--max_iters=2000 (int)" in out
+    assert "a folder, gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights) or a Hub id" in out
 
 
 @pytest.mark.parametrize("script,shown", [
