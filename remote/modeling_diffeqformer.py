@@ -73,6 +73,19 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if missing:
             self.model.init_weights(local=lambda p: (p, 0) if id(p) in missing else (p[:0], 0))
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' load, refusing weights that are not finite (as the project's loader
+        does): a model made of them would compute NaN logits, losses and scores without a word."""
+        model = super().from_pretrained(*args, **kwargs)
+        for name, w in model.model.state_dict().items():
+            if w.is_floating_point() and not torch.isfinite(w.sum(dtype=torch.float32)):
+                bad = w.numel() - int(torch.isfinite(w).sum())  # (0: a sum past float32's range)
+                if bad:
+                    raise ValueError(f"{model.name_or_path} holds weights that are not finite: "
+                                     f"{bad:,} of the {w.numel():,} values of {name} are NaN or inf")
+        return model
+
     def get_input_embeddings(self):  # (transformers' tools that feed or adapt the embeddings)
         return self.model.wte
 

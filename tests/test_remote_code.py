@@ -302,6 +302,16 @@ def test_inputs_longer_than_the_context(kind, saved, exported):  # noqa: F811
         torch.testing.assert_close(out.loss, F.cross_entropy(expected[:, :-1].flatten(0, 1), idx[:, 1:].flatten()))
 
 
+def test_weights_that_are_not_finite_are_refused_in_one_line(saved, tmp_path):  # noqa: F811
+    """A folder with a NaN weight: from_pretrained says so (lm_eval --model hf reported NaN scores)."""
+    export.export(saved["diffeq"], str(tmp_path))
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["wte.weight"][3, 5] = float("nan")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"holds weights that are not finite: 1 of the [\d,]+ values of wte.weight"):
+        auto(tmp_path)
+
+
 def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # noqa: F811
     """A folder without wte.weight (and one time-MLP weight): transformers reports them "newly
     initialized", and they are, by model.py's init (std 0.02), the rest as the folder holds them."""
