@@ -140,7 +140,8 @@ def from_transformers(path, config):
     tokenizer = config.get("diffeqformer_tokenizer", "gpt2" if flavor == "gpt" else None)
     heads = config.get("num_attention_heads")
     needs = {  # what this project's model needs: whether the folder's config has it
-        "a tokenizer this project has (diffeqformer_tokenizer: byte or gpt2)": tokenizer is not None,
+        "a tokenizer this project has (diffeqformer_tokenizer: byte or gpt2)":
+            tokenizer is not None,
         f"norm eps {EPS}": config.get("layer_norm_epsilon", config.get("rms_norm_eps")) == EPS,
         "tanh-GELU": config.get("activation_function", "gelu_new") in ("gelu_new",
                                                                       "gelu_pytorch_tanh"),

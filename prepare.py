@@ -97,8 +97,8 @@ def get_tokenizer(name, choosable=False):
 
 
 def read_prompt(start):
-    """A prompt's text: `start` itself, or the contents of the file that FILE:path names (sample.py's
-    --start, analyze.py's --prompt)."""
+    """A prompt's text: `start` itself, or the contents of the file that FILE:path names
+    (sample.py's --start, analyze.py's --prompt)."""
     if start.startswith("FILE:"):
         path = start[len("FILE:"):]
         if os.path.isdir(path):

@@ -68,15 +68,18 @@ class Run:
             return iter(())
         return iter(self.bar)
 
+    def scheduled(self, it):
+        """An evaluation's iteration: every eval_interval iterations and the last (nanoGPT's)."""
+        return it % self.cfg.eval_interval == 0 or it == self.end
+
     def evaluation_due(self, it):
-        """Every eval_interval iterations and at the end (nanoGPT's); not at a resumed run's first
-        iteration, which its checkpoint's run evaluated."""
-        due = it % self.cfg.eval_interval == 0 or it == self.end
-        return due and (it > self.start or self.start == 0)
+        """Scheduled, but not at a resumed run's first iteration, which its checkpoint's run
+        evaluated."""
+        return self.scheduled(it) and (it > self.start or self.start == 0)
 
     def checkpoint_due(self, it):
         """After each evaluation, but a resumed run's first iteration's: its checkpoint holds it."""
-        return (it % self.cfg.eval_interval == 0 or it == self.end) and it > self.start
+        return self.scheduled(it) and it > self.start
 
     def interrupted(self, it):
         """Ctrl-C was pressed (on any rank): save this iteration and stop. Twice: at once."""
@@ -133,8 +136,8 @@ class Run:
         """The one line that stops a run whose loss or gradient norm is not finite (NaN or inf),
         before the weights it made are saved over the last good checkpoint; every rank stops (they
         agree)."""
-        last = (f"the last checkpoint, of iteration {self.saved} in {self.cfg.out_dir}/, is left as "
-                f"it was: --init_from=resume goes on from it (a lower --learning_rate may avoid "
+        last = (f"the last checkpoint, of iteration {self.saved} in {self.cfg.out_dir}/, is left "
+                f"as it was: --init_from=resume goes on from it (a lower --learning_rate may avoid "
                 f"this)" if self.saved is not None else "no checkpoint was saved before it")
         return Diverged(f"training diverged: the {what} is {value} at iteration {it}; {last}")
 

@@ -169,6 +169,21 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     if dtype is None:
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
+    weights = model.step_weights(steps, solver)  # an ODE's generated now, once per generation
+    head = model.wte.weight if model.lm_head is None else model.lm_head.weight
+    hs = cfg.n_embd // cfg.n_head
+    state = STATES.get(model)
+    if state is not None and (state.steps, state.solver) == (steps, solver) \
+            and state.kv[0].k.shape == (batch_size, cfg.n_head, max_len, hs) \
+            and (state.kv[0].k.dtype, state.kv[0].k.device) == (dtype, device):
+        # copied into the last generation's tensors (copy_ casts): the caches are theirs, and
+        # their stale slots are masked until rewritten
+        fresh = DecodingState(state.kv, weights, head, steps, solver)
+        for old, new in {id(old): (old, new) for old, new in zip(state.tensors(),
+                                                                   fresh.tensors())}.values():
+            if old is not new:
+                old.copy_(new)
+        return state
     linear, cast = block_shapes(cfg), {}  # the weights F.linear multiplies by: attn, proj, ...
 
     def once(t, name):  # in the step's dtype, each tensor once (weight sharing: one block)
@@ -176,21 +191,10 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
             cast[id(t)] = t.to(dtype)
         return cast.get(id(t), t)
     weights = [{name: tuple(once(t, name) for t in pair) for name, pair in w.items()}
-               for w in model.step_weights(steps, solver)]
-    head = (model.wte.weight if model.lm_head is None else model.lm_head.weight).to(dtype)
-    hs = cfg.n_embd // cfg.n_head
-    state = STATES.get(model)
-    if state is not None and (state.steps, state.solver) == (steps, solver) \
-            and state.kv[0].k.shape == (batch_size, cfg.n_head, max_len, hs) \
-            and (state.kv[0].k.dtype, state.kv[0].k.device) == (dtype, device):
-        fresh = DecodingState(state.kv, weights, head, steps, solver)
-        for old, new in zip(state.tensors(), fresh.tensors()):
-            if old is not new:  # the caches are theirs; stale slots are masked until rewritten
-                old.copy_(new)
-        return state
+               for w in weights]
     kv = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
           for _ in range(evaluations(cfg, steps, solver))]
-    STATES[model] = state = DecodingState(kv, weights, head, steps, solver)
+    STATES[model] = state = DecodingState(kv, weights, head.to(dtype), steps, solver)
     for t in state.tensors():  # CUDA graphs read them in place instead of copying them in
         torch._dynamo.mark_static_address(t, guard=False)
     return state
@@ -213,10 +217,10 @@ def decode_one_token(model, idx, input_pos, state):
 
 @functools.cache
 def compiled(fn, device_type):
-    """fn compiled as gpt-fast compiles its decoding, on CUDA as CUDA graphs (mode="reduce-overhead"),
-    so that a token costs one graph launch instead of hundreds of kernel launches from Python. It
-    compiles into one graph (the tests check that nothing breaks it), once per shape; past torch's
-    recompile limit (8 shapes) a new shape runs eagerly instead of failing."""
+    """fn compiled as gpt-fast compiles its decoding, on CUDA as CUDA graphs
+    (mode="reduce-overhead"), so that a token costs one graph launch instead of hundreds of kernel
+    launches from Python. It compiles into one graph (the tests check that nothing breaks it), once
+    per shape; past torch's recompile limit (8 shapes) a new shape runs eagerly, not failing."""
     return torch.compile(fn, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
@@ -287,7 +291,8 @@ def main(argv):
     with as_user_error(f"{cfg.init_from}: "):  # --steps and --solver: an ODE's depth only
         steps, solver = model.cfg.depth(cfg.steps or None, cfg.solver or None)
     tok = prepare.get_tokenizer(ckpt["tokenizer"])
-    ids = prepare.encode_prompt(prepare.read_prompt(cfg.start), tok, model.cfg.vocab_size, "--start")
+    ids = prepare.encode_prompt(prepare.read_prompt(cfg.start), tok, model.cfg.vocab_size,
+                                "--start")
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
     t0 = time.perf_counter()
     with env.autocast():

@@ -311,9 +311,9 @@ def setup_run(model, cfg, env, ckpt=None):
 
 def model_config_for(mcfg, cfg, env, given, data, start=None):
     """(the model config of this run, the checkpoint it starts from or None): the shape of `start`
-    (out_dir's run to resume, or weights whose context a smaller --block_size crops), or the given one
-    with the data's vocabulary padded to a multiple of 64 (50257 -> 50304), whose padded rows never
-    get probability (tokenizer_vocab)."""
+    (out_dir's run to resume, or weights whose context a smaller --block_size crops), or the given
+    one with the data's vocabulary padded to a multiple of 64 (50257 -> 50304), whose padded rows
+    never get probability (tokenizer_vocab)."""
     vocab = prepare.load_meta(data)["vocab_size"]
     if cfg.init_from == "scratch":
         size = mcfg.vocab_size if "vocab_size" in given else vocab + (-vocab) % 64
@@ -363,7 +363,7 @@ def main(argv):
         # offline and not cached: one line, before the data (a new run may choose bytes instead)
         prepare.get_tokenizer(cfg.tokenizer, choosable=cfg.init_from == "scratch")
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
-        if cfg.init_from == "resume":  # out_dir's run, whose other --dataset is refused before the data
+        if cfg.init_from == "resume":  # out_dir's run: another --dataset is refused before the data
             start = resume.load_run(cfg, env)
         data = common.prepare_data(cfg, env)
         mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data, start)
@@ -375,11 +375,11 @@ def main(argv):
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
         env.print(runlog.summary(model, cfg, env, data))
-        model, optimizer, start, best = setup_run(model, cfg, env, ckpt)
+        model, optimizer, start_iter, best = setup_run(model, cfg, env, ckpt)
         resumed = ckpt if cfg.init_from == "resume" else {}  # its wandb run goes on
         extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
                      tokenizer=cfg.tokenizer, wandb_id=resumed.get("wandb_id"))
-        with runlog.Run(model, cfg, env, extra, start, best) as run:
+        with runlog.Run(model, cfg, env, extra, start_iter, best) as run:
             fit(model, optimizer, data, cfg, env, run)
     finally:
         if lock:

@@ -285,7 +285,7 @@ def decode_rows(mcfg, env, sizes, clock, report):
         return run
     for B in sizes["batches"]:
         part = f"decode {n} tokens after {P}, batch {B}"
-        if not clock.allows(part, NEED[f"decode, batch {B}"] if B in (1, 16) else 60, report):
+        if not clock.allows(part, NEED.get(f"decode, batch {B}", 60), report):
             continue
         prompt = torch.randint(mcfg.vocab_size, (B, P), generator=torch.Generator().manual_seed(0)).to(env.device)
         # at batch 1 also sample.py's sampling (temperature 0.8, top_k 200): its filters run eagerly

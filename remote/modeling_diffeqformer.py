@@ -83,7 +83,8 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                 bad = w.numel() - int(torch.isfinite(w).sum())  # (0: a sum past float32's range)
                 if bad:
                     raise ValueError(f"{model.name_or_path} holds weights that are not finite: "
-                                     f"{bad:,} of the {w.numel():,} values of {name} are NaN or inf")
+                                     f"{bad:,} of the {w.numel():,} values of {name} are NaN or "
+                                     f"inf")
         return model
 
     def get_input_embeddings(self):  # (transformers' tools that feed or adapt the embeddings)

@@ -107,8 +107,9 @@ class WeightGenerator:
             self.leaves = {name: [None if t is None else t.unbind(0) for t in out]
                            for name, out in full.items()}
             return self.weights()
-        # a leaf per time, each adding its dL/dW into its row of one flat buffer, in the parameters'
-        # dtype: accumulated over the micro-steps as a GPT's gradients are, reduced in one collective
+        # a leaf per time, each adding its dL/dW into its row of one flat buffer, in the
+        # parameters' dtype: accumulated over the micro-steps as a GPT's gradients are, reduced in
+        # one collective
         sizes = [t.numel() for out in full.values() for t in out if t is not None]
         self.flat = torch.zeros(sum(sizes), device=self.device, dtype=self.param_dtype)
         self.leaves, self.grads, offset = {}, {}, 0
