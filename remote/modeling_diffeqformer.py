@@ -106,11 +106,13 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
-                logits_to_keep=0, **kwargs):
+                logits_to_keep=0, num_items_in_batch=None, **kwargs):
         """Logits (B, T, vocab) of input_ids, and the mean cross-entropy of labels shifted by one
         (transformers' convention, -100 ignored); a pad's logits are those of the last real token
         before it. With a cache, input_ids follow its tokens and attention_mask covers both.
-        logits_to_keep=k: the last k positions' logits (0: all)."""
+        logits_to_keep=k: the last k positions' logits (0: all). num_items_in_batch (the Trainer's
+        count of labels over the micro-batches it accumulates): the sum over tokens divided by it,
+        as transformers' causal LMs (ForCausalLMLoss) do."""
         if kwargs.get("position_ids") is not None:
             raise ValueError("DiffEqFormer counts positions from attention_mask: pass no "
                              "position_ids")
@@ -147,8 +149,9 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             logits = logits.gather(1, source[..., None].expand(-1, -1, logits.size(-1)))
         loss = None
         if labels is not None:
+            n = (labels[:, 1:] != -100).sum() if num_items_in_batch is None else num_items_in_batch
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
+                                   ignore_index=-100, reduction="sum") / n  # (the Trainer: no more)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def step_weights(self, cache, steps, solver):

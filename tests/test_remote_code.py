@@ -106,6 +106,33 @@ def test_labels_give_the_projects_loss(saved, exported):  # noqa: F811
         torch.testing.assert_close(loss, ours(idx[:, :-1], targets)[1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["diffeq", "gpt"])
+def test_the_trainer_accumulates_as_one_larger_batch(kind, exported, tmp_path):
+    """transformers.Trainer with gradient_accumulation_steps=2 (batches of 2) logs the loss and
+    makes the plain-SGD update of one batch of 4: the model sums its loss over the tokens and divides
+    by the Trainer's num_items_in_batch (its labels of every micro-batch), as transformers' causal
+    LMs do. Rows with different numbers of ignored labels: a mean of micro-batch means is not it."""
+    g = torch.Generator().manual_seed(10)
+    rows = [torch.randint(0, TINY["vocab_size"], (12,), generator=g) for _ in range(4)]
+    data = [dict(input_ids=r, labels=torch.where(torch.arange(12) < 3 * i, -100, r))
+            for i, r in enumerate(rows)]
+    results = []
+    for batch, accumulation in ((4, 1), (2, 2)):
+        model = auto(exported[kind])
+        before = [p.detach().clone() for p in model.parameters()]
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(batch)), per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation, max_steps=1, optim="sgd", learning_rate=0.5,
+            lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to=[],
+            save_strategy="no", use_cpu=True, seed=0)
+        loss = transformers.Trainer(model=model, args=args, train_dataset=data).train().training_loss
+        update = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+        results.append((loss, update))
+    (loss, update), (accumulated, accumulated_update) = results
+    assert accumulated == pytest.approx(loss, rel=0.01)
+    assert (accumulated_update - update).norm() <= 0.01 * update.norm()
+
+
 def test_the_tokenizer_and_a_pipeline_read_the_folder(exported):
     same_tokens(exported["diffeq"], "byte")
     tokenizer_or_skip("gpt2")
