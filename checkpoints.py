@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import hf
 import lora
-from configurator import UserError
+from configurator import UserError, as_user_error
 from model import DiffEqFormer, ModelConfig
 
 MODEL = "diffeqformer-model"  # a model: config, weights, and (for a run) optimizer and iteration
@@ -118,7 +118,12 @@ def load_folder(path):
     # DiffEqFormerForCausalLM holds the DiffEqFormer as .model (remote/modeling_diffeqformer.py)
     if weights and all(k.startswith("model.") for k in weights):
         weights = {k[len("model."):]: w for k, w in weights.items()}
-    return {"kind": MODEL, "model_config": config["model_config"], "model": weights,
+    model_config, depth = config["model_config"], (config.get("steps"), config.get("solver"))
+    if depth != (None, None):  # saved after from_pretrained(DIR, steps=, solver=): the depth it ran
+        with as_user_error(f"{path}/config.json: "):
+            steps, solver = ModelConfig(**model_config).depth(*depth)
+        model_config = {**model_config, "n_layer": steps, "solver": solver}  # an ODE's default
+    return {"kind": MODEL, "model_config": model_config, "model": weights,
             "tokenizer": config["tokenizer"], "optimizer": None, "iter_num": 0,
             "best_val_loss": config.get("val_loss")}
 
