@@ -116,6 +116,10 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if kwargs.get("position_ids") is not None:
             raise ValueError("DiffEqFormer counts positions from attention_mask: pass no "
                              "position_ids")
+        for name in ("output_hidden_states", "output_attentions"):  # (given, or in the config)
+            if kwargs.get(name, getattr(self.config, name)):
+                raise ValueError(f"{name}=True: DiffEqFormer returns logits only (model.py keeps "
+                                 f"no state of a step, no attention weights); leave it out")
         if not isinstance(logits_to_keep, int) or (labels is not None and logits_to_keep):
             raise ValueError(f"logits_to_keep={logits_to_keep!r}: the last k positions (an int), "
                              f"0 (every position) with labels")

@@ -378,6 +378,13 @@ def test_bad_arguments_are_one_line(exported):
         theirs(idx, position_ids=torch.arange(8)[None])
     with pytest.raises(ValueError, match=r"attention_mask is \(1, 5\): 0 cached and 8 new tokens need \(1, 8\)"):
         theirs(idx, attention_mask=torch.ones(1, 5))
+    for name in ("output_hidden_states", "output_attentions"):  # refused, not None without a word
+        with pytest.raises(ValueError, match=f"{name}=True: DiffEqFormer returns logits only"):
+            theirs(idx, **{name: True})
+        with pytest.raises(ValueError, match=f"{name}=True"):
+            auto(exported["diffeq"], **{name: True})(idx)
+        with pytest.raises(ValueError, match=f"{name}=True"):
+            theirs.generate(idx, max_new_tokens=2, return_dict_in_generate=True, **{name: True})
     cache = theirs(idx).cache  # 8 positions cached; 30 more go past the context of 32
     with pytest.raises(ValueError, match="re-reads each token's window: call it without a cache"):
         theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
