@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.generation.utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.deprecation import deprecate_kwarg
 
@@ -102,7 +103,22 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls):
-        return False  # generate() lets forward make its cache: a DiffEqFormerCache
+        return False  # transformers' generate() makes no DynamicCache: ours, below
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, mode, *args):
+        """generate()'s cache, a DiffEqFormerCache, there before the first pass: prompt lookup
+        and assisted decoding crop it after each guess. A GPT-flavour model re-reads every token's
+        window past block_size, without a cache: those two are refused there."""
+        L = self.model.cfg.block_size
+        if (mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant) \
+                and self.model.cfg.flavor == "gpt" and generation_config.max_length > L:
+            raise ValueError(f"prompt lookup and assisted decoding crop a KV cache, which a "
+                             f"GPT-flavour model keeps for its first block_size={L} tokens only "
+                             f"(past them it re-reads each token's window): ask for at most {L} "
+                             f"tokens in all (max_length), or generate without them")
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, mode, *args)
+        if model_kwargs.get("cache") is None and generation_config.use_cache:
+            model_kwargs["cache"] = DiffEqFormerCache()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,

@@ -266,6 +266,24 @@ def test_generate_runs_one_position_per_token_through_the_cache(saved, exported)
         assert torch.equal(out.sequences, sample.generate(ours, idx, 10, temperature=0, steps=4, solver="midpoint"))
 
 
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_prompt_lookup_and_assisted_decoding_give_greedy_tokens(kind, exported):
+    """prompt_lookup_num_tokens and assistant_model (the model itself: every guess is right) give
+    generate()'s greedy tokens with no cache passed, past the context where the model keeps a cache
+    there (the Llama flavour's sliding window); a GPT-flavour model, which re-reads each window past
+    its context, refuses them there in one line."""
+    theirs = auto(exported[kind])
+    idx = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]])  # repeats: prompt lookup finds guesses
+    n = TINY["block_size"] - 10 + (8 if kind == "llama" else 0)
+    with torch.no_grad():
+        greedy = theirs.generate(idx, max_new_tokens=n, do_sample=False)
+        for way in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=theirs)):
+            assert torch.equal(theirs.generate(idx, max_new_tokens=n, do_sample=False, **way), greedy)
+            if kind == "diffeq":  # GPT flavour
+                with pytest.raises(ValueError, match="ask for at most 32 tokens in all"):
+                    theirs.generate(idx, max_new_tokens=n + 1, do_sample=False, **way)
+
+
 def test_a_pipeline_batches_prompts(exported):
     """pipeline(..., batch_size=3) pads with the folder's tokenizer (its pad token, on the left) and
     gives each prompt its text alone."""
