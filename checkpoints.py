@@ -162,18 +162,19 @@ def load(path, kind=MODEL, map_location="cpu"):
 
 
 def check_finite(ckpt, path):
-    """The checkpoint dict, if its weights (a model's, or adapters) are all finite; one with a NaN
-    or an inf is one UserError: a model made of it computes NaN (the sampler's "probability tensor
-    contains either inf, nan", LAPACK's errors in the analysis, NaN losses and scores). One sum per
-    tensor, which NaN or inf anywhere makes NaN or inf: one read of the weights, a fraction of a
-    load (docs/training.md; an isfinite mask costs 10x more)."""
+    """The checkpoint dict, if its weights (a model's, or adapters) are finite and add up within
+    float32's range; else one UserError: a model made of them computes NaN or inf (the sampler's
+    "probability tensor contains either inf, nan", LAPACK's errors in the analysis, NaN losses and
+    scores). One sum per tensor, which NaN, inf or values too large (3e38) make NaN or inf: one read
+    of the weights, a fraction of a load (docs/training.md; an isfinite mask costs 10x more)."""
     for name, w in {**(ckpt.get("model") or {}), **(ckpt.get("adapters") or {})}.items():
         if w.is_floating_point() and not torch.isfinite(w.sum(dtype=torch.float32)):
-            bad = w.numel() - int(torch.isfinite(w).sum())  # (0: a sum past float32's range)
-            if bad:
-                raise UserError(f"{path} holds weights that are not finite: {bad:,} of the "
-                                f"{w.numel():,} values of {name} are NaN or inf (a run that "
-                                f"diverged?); use an earlier checkpoint")
+            bad = w.numel() - int(torch.isfinite(w).sum())
+            what = (f"are not finite: {bad:,} of the {w.numel():,} values of {name} are NaN or "
+                    f"inf" if bad else f"are too large: the values of {name} (up to "
+                    f"{w.abs().max().item():.2g}) add up past float32's range")
+            raise UserError(f"{path} holds weights that {what} (a run that diverged?); use an "
+                            f"earlier checkpoint")
     return ckpt
 
 

@@ -76,16 +76,17 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' load, refusing weights that are not finite (as the project's loader
-        does): a model made of them would compute NaN logits, losses and scores without a word."""
+        """transformers' load, refusing weights that are not finite or too large (as the project's
+        loader does): a model made of them would compute NaN logits, losses and scores. One sum per
+        tensor, NaN or inf where a value is, or where values are too large to add up (3e38)."""
         model = super().from_pretrained(*args, **kwargs)
         for name, w in model.model.state_dict().items():
             if w.is_floating_point() and not torch.isfinite(w.sum(dtype=torch.float32)):
-                bad = w.numel() - int(torch.isfinite(w).sum())  # (0: a sum past float32's range)
-                if bad:
-                    raise ValueError(f"{model.name_or_path} holds weights that are not finite: "
-                                     f"{bad:,} of the {w.numel():,} values of {name} are NaN or "
-                                     f"inf")
+                bad = w.numel() - int(torch.isfinite(w).sum())
+                raise ValueError(f"{model.name_or_path} holds weights that " + (
+                    f"are not finite: {bad:,} of the {w.numel():,} values of {name} are NaN or inf"
+                    if bad else f"are too large: the values of {name} (up to "
+                    f"{w.abs().max().item():.2g}) add up past float32's range"))
         return model
 
     def get_input_embeddings(self):  # (transformers' tools that feed or adapt the embeddings)
@@ -167,6 +168,10 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             last_real = torch.where(real[:, past:], col, -1).cummax(dim=1).values  # (B, T)
             source = torch.where(last_real >= 0, last_real, col)[:, kept]
             logits = logits.gather(1, source[..., None].expand(-1, -1, logits.size(-1)))
+        real_vocab = logits[..., :self.model.cfg.tokenizer_vocab or None]  # (the rest: -inf)
+        if not real_vocab.isfinite().all():
+            raise ValueError(f"{int((~real_vocab.isfinite()).sum()):,} logits are NaN or inf: the "
+                             f"weights overflow {logits.dtype} (too large, or a run that diverged?)")
         loss = None
         if labels is not None:
             n = (labels[:, 1:] != -100).sum() if num_items_in_batch is None else num_items_in_batch

@@ -436,16 +436,26 @@ def test_a_checkpoint_with_weights_that_are_not_finite_is_one_line_for_every_com
         assert not (tmp_path / folder).exists() or sorted(os.listdir(tmp_path / folder)) in ([], [".lock", ".lock.pid"])
 
 
-def test_finite_weights_whose_sum_overflows_float32_load(tmp_path):
-    """The check sums each tensor (NaN or inf anywhere makes the sum NaN or inf); a sum past float32's range
-    of finite values is no fault."""
+@pytest.mark.parametrize("export", [False, True])
+def test_finite_weights_whose_sum_overflows_float32_are_one_line(tmp_path, export):
+    """The check sums each tensor (NaN or inf anywhere makes the sum NaN or inf); finite values whose sum
+    overflows (3e38, twice) are refused too, not waved through: the sampler met inf logits (issue 42)."""
     import checkpoints
-    path = nan_checkpoint(tmp_path, value=3e38)
-    ckpt = checkpoints.load(path)
-    ckpt["model"]["wte.weight"][6, 3] = 3e38
-    checkpoints.save(ckpt, path)
-    model, _ = checkpoints.load_model(path)
-    assert model.wte.weight[6, 3] == 3e38
+    from configurator import UserError
+    path = nan_checkpoint(tmp_path, value=3e38, export=export)
+    weights = os.path.join(path, "model.safetensors")
+    if export:
+        from safetensors.torch import load_file, save_file
+        state = load_file(weights)
+        state["wte.weight"][6, 3] = 3e38
+        save_file(state, weights)
+    else:
+        ckpt = checkpoints.load(path)
+        ckpt["model"]["wte.weight"][6, 3] = 3e38
+        checkpoints.save(ckpt, path)
+    with pytest.raises(UserError, match=r"holds weights that are too large: the values of wte.weight \(up to "
+                                        r"3e\+38\) add up past float32's range"):
+        checkpoints.load_model(path)
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient norm", "evaluated val loss"])

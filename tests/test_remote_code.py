@@ -21,7 +21,7 @@ import checkpoints
 import export
 import sample
 from conftest import ROOT, TINY, tokenizer_or_skip
-from test_export import KINDS, saved, same_tokens  # noqa: F401 (saved: the fixture of every kind)
+from test_export import KINDS, checkpoint, random_model, saved, same_tokens  # noqa: F401 (saved: a fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -372,6 +372,24 @@ def test_weights_that_are_not_finite_are_refused_in_one_line(saved, tmp_path):  
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"holds weights that are not finite: 1 of the [\d,]+ values of wte.weight"):
         auto(tmp_path)
+    weights["wte.weight"][3, 5] = weights["wte.weight"][4, 5] = 3e38  # finite, past float32 added up
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weights that are too large: the values of wte.weight \(up to 3e\+38\)"):
+        auto(tmp_path)
+
+
+def test_logits_that_are_not_finite_are_one_line(tmp_path):
+    """Weights that overflow at run time (a row of wte at 3e38 in memory, which no load saw): one
+    line, not NaN logits and scores without a word; a padded vocabulary's rows (-inf) pass."""
+    checkpoints.save(checkpoint(random_model(tokenizer_vocab=90)), str(tmp_path / "ckpt.pt"))
+    export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "folder"))
+    theirs = auto(tmp_path / "folder")
+    idx = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert theirs(idx).logits[..., 90:].eq(-float("inf")).all()  # the padded rows: no fault
+        theirs.model.wte.weight[2] = 3e38
+        with pytest.raises(ValueError, match=r"^[\d,]+ logits are NaN or inf: the weights overflow torch.float32"):
+            theirs(idx)
 
 
 def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # noqa: F811
