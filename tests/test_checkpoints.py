@@ -101,14 +101,30 @@ def test_a_folder_hash_covers_its_files_names(tmp_path):
     folder = tmp_path / "base"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "model-00001-of-00002.safetensors").write_bytes(b"weights")
+    (folder / "model-00002-of-00002.safetensors").write_bytes(b"more weights")
     before = checkpoints.file_hash(str(folder))
-    os.rename(folder / "config.json", folder / "config2.json")  # still sorted before the weights
+    # a shard renamed within the hashed set, still sorted last: the same bytes in the same order
+    os.rename(folder / "model-00002-of-00002.safetensors", folder / "model-00003-of-00003.safetensors")
     assert checkpoints.file_hash(str(folder)) != before
     with pytest.raises(UserError, match="has changed"):
         checkpoints.check_base(str(folder), before)
-    single = folder / "model.safetensors"
+    single = folder / "model-00001-of-00002.safetensors"
     assert checkpoints.file_hash(str(single)) == hashlib.sha256(b"weights").hexdigest()
+
+
+def test_adapters_that_are_not_finite_are_one_line(tmp_path):
+    """The finiteness check reads an adapters file's adapters too: one NaN in a lora_A is one line,
+    not a merged model that computes NaN (the other finiteness tests poison wte.weight only)."""
+    base = save_model(tmp_path / "base.pt", random_ode())
+    fcfg = finetune.FinetuneConfig(steps=2, lora_rank=2)
+    layers = lora.add_lora(random_ode().materialize(2), rank=2)
+    name = next(n for n, _ in layers.named_parameters() if n.endswith("lora_A"))
+    adapters = finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 2)
+    adapters["adapters"][name][0, 0] = float("nan")
+    checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
+    with pytest.raises(UserError, match=rf"holds weights that are not finite: 1 of the [\d,]+ values of {name} "):
+        checkpoints.load_model(str(tmp_path / "adapters.pt"))
 
 
 # -- sharded checkpoints, in a one-process gloo group ----------------------------------------------
