@@ -284,6 +284,19 @@ def test_prompt_lookup_and_assisted_decoding_give_greedy_tokens(kind, exported):
                     theirs.generate(idx, max_new_tokens=n + 1, do_sample=False, **way)
 
 
+def test_a_forward_with_gradients_through_a_cache_reaches_the_hypernetwork(exported):
+    """The block weights a no-grad prefill keeps in the cache serve decoding only: a forward with
+    gradients through that cache makes its own, so the hypernetwork gets a gradient."""
+    theirs = auto(exported["diffeq"])  # eval mode: a forward keeps a cache
+    idx = torch.randint(0, TINY["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        cache = theirs(idx[:, :8]).cache
+    assert cache.weights is not None  # kept for the tokens that follow
+    theirs(idx[:, 8:], cache=cache).logits.sum().backward()
+    grads = [p.grad for p in theirs.model.hyper.parameters()]
+    assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
+
+
 def test_a_pipeline_batches_prompts(exported):
     """pipeline(..., batch_size=3) pads with the folder's tokenizer (its pad token, on the left) and
     gives each prompt its text alone."""
