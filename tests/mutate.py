@@ -47,4 +47,5 @@ print(f"\n{source} against {' '.join(tests)}: {len(status)} mutants, {dict(count
 print(f"killed {killed} of the {tested} tested ({killed / max(tested, 1):.0%}); the others:")
 for name in sorted(n for n, s in status.items() if s not in ("killed", "timeout", "no tests")):
     diff = get_diff_for_mutant(name, path=source).splitlines()[2:]  # the changed lines only
-    print(f"{name} ({status[name]})", *[f"    {line}" for line in diff if line[:1] in "+-"], sep="\n")
+    changed = [f"    {line}" for line in diff if line[:1] in "+-"]
+    print(f"{name} ({status[name]})", *changed, sep="\n")
