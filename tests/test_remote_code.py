@@ -26,6 +26,31 @@ from test_export import KINDS, checkpoint, random_model, saved, same_tokens  # n
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def remote_code_as_mutmut_sees_it():
+    """Under mutmut (tests/mutate.py), transformers takes the folder's classes from the repository's
+    remote/ (the mutated file), under the module name mutmut records and switches, not from the
+    copy it makes in its module cache (transformers_modules.*, which mutmut cannot see); the
+    folder's model.py is the repository's, and save_pretrained copies the code as export.py does.
+    Elsewhere, nothing changes."""
+    if "mutmut" not in sys.modules:
+        yield
+        return
+    import model
+    sys.modules["remote.model"] = model  # the folder's copy, `from .model import ...`
+
+    def repository_class(name, path, **kwargs):
+        return getattr(importlib.import_module(f"remote.{os.path.basename(path)[:-3]}"), name)
+
+    def copy_code(obj, folder, config=None):
+        for name, source in export.REMOTE_CODE.items():
+            shutil.copyfile(source, os.path.join(folder, name))
+    with mock.patch("transformers.dynamic_module_utils.get_class_in_module", repository_class), \
+            mock.patch("transformers.modeling_utils.custom_object_save", copy_code), \
+            mock.patch("transformers.configuration_utils.custom_object_save", copy_code):
+        yield
+
+
 def auto(folder, **kwargs):
     """The folder through transformers' front door, as a user loads it."""
     return transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)
