@@ -440,9 +440,24 @@ def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # n
     theirs = auto(tmp_path)
     state = theirs.model.state_dict()
     assert all(torch.equal(state[name], w) for name, w in weights.items())
+    fresh = type(theirs.model)(theirs.model.cfg)  # model.py's init, with the same seed
+    fresh.init_seed = theirs.model.init_seed
+    fresh.init_weights()
     for name in dropped:  # init="gpt": B_W drawn as a GPT weight
         assert abs(state[name].std().item() - 0.02) < 0.002 and not torch.equal(state[name], dropped[name])
+        assert torch.equal(state[name], fresh.state_dict()[name])  # every row, as model.py draws it
     assert theirs(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_save_pretrained_passes_transformers_arguments_on(exported, tmp_path):
+    """save_pretrained(DIR, ...) hands its positional and keyword arguments to transformers' own:
+    a state_dict given either way is the one written."""
+    theirs = auto(exported["gpt"])
+    state = {k: torch.zeros_like(w) for k, w in theirs.state_dict().items()}
+    theirs.save_pretrained(tmp_path / "positional", True, state)  # is_main_process, state_dict
+    theirs.save_pretrained(tmp_path / "keyword", state_dict=state)
+    for folder in ("positional", "keyword"):
+        assert all(w.eq(0).all() for w in load_file(tmp_path / folder / "model.safetensors").values())
 
 
 def test_bad_arguments_are_one_line(exported):
