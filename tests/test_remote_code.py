@@ -449,6 +449,19 @@ def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # n
     assert theirs(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
 
+def test_save_pretrained_copies_the_card_only_where_there_is_one_and_none_written(exported, tmp_path):
+    """The card of the folder a model came from goes with it, but never over a README.md already
+    in the destination; a folder without a card saves without one."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "README.md").write_text("my notes")
+    auto(exported["gpt"]).save_pretrained(tmp_path / "mine")
+    assert (tmp_path / "mine" / "README.md").read_text() == "my notes"
+    shutil.copytree(exported["gpt"], tmp_path / "no card")
+    os.remove(tmp_path / "no card" / "README.md")
+    auto(tmp_path / "no card").save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "README.md").exists()
+
+
 def test_save_pretrained_passes_transformers_arguments_on(exported, tmp_path):
     """save_pretrained(DIR, ...) hands its positional and keyword arguments to transformers' own:
     a state_dict given either way is the one written."""
