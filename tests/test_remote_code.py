@@ -218,6 +218,42 @@ def test_lm_eval_hf_scores_the_folder_as_the_harness_does(tmp_path):
                 assert float(ll_hf) == pytest.approx(float(ll), abs=1e-5) and greedy_hf == greedy
 
 
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("accelerate") is None,
+                    reason="needs lm-eval and accelerate: pip install -r requirements-eval.txt")
+def test_the_shakespeare_tasks_need_the_context_docs_export_md_states(tmp_path):
+    """The local Shakespeare tasks score continuations of up to 63 bytes in one window (lm-eval's
+    `assert len(continuation_enc) <= self.max_length`), as docs/export.md states; a folder of context
+    32 runs them with max_length=64, each position read through its last 32 tokens, as sample.py
+    reads them."""
+    import lm_eval
+    import lm_eval.models.huggingface  # registers lm-eval's model "hf"
+    import lm_eval.tasks
+    import random
+    from test_sample import random_model, save_model
+    sys.path.insert(0, os.path.join(ROOT, "experiments", "tasks", "shakespeare"))
+    import docs
+    speeches = docs.speeches()
+    longest = max([len(("\n" + c).encode()) for d in docs.choice(speeches, random.Random(0))
+                   for c in d["choices"]] + [len((" " + d["word"]).encode()) for d in docs.cloze(speeches)])
+    stated = re.search(r"at least (\d+) byte tokens", open(os.path.join(ROOT, "docs", "export.md")).read())
+    assert longest == int(stated.group(1)) == 63  # a line with its line break (lm-eval moves it)
+    model = random_model(vocab_size=256, block_size=32).float()
+    export.export(save_model(tmp_path / "ode.pt", model), str(tmp_path / "folder"))
+    hf = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={tmp_path / 'folder'},trust_remote_code=True,prefix_token_id=10,"
+                               f"max_length=64", tasks=["shakespeare_choice"], limit=2, device="cpu", log_samples=True,
+        task_manager=lm_eval.tasks.TaskManager(include_path=os.path.join(ROOT, "experiments", "tasks")),
+        bootstrap_iters=0)
+    with torch.no_grad():
+        for doc in hf["samples"]["shakespeare_choice"]:
+            for (context, continuation), resp in zip(doc["arguments"], doc["resps"]):
+                inp = list((context + continuation).encode())[-65:]  # lm-eval's window: max_length + 1
+                n = len(continuation.encode()) + len(context) - len(context.rstrip())
+                logprobs = [model(torch.tensor([inp[max(0, p - 31):p + 1]]))[0][0, -1].log_softmax(-1)[inp[p + 1]]
+                            for p in range(len(inp) - 1 - n, len(inp) - 1)]
+                assert float(resp[0][0]) == pytest.approx(float(sum(logprobs)), abs=1e-3)
+
+
 # -- what a transformers user meets next: padded batches, the KV cache, saving, training ----------
 
 def padded(prompts, side):
