@@ -426,8 +426,12 @@ def test_inputs_longer_than_the_context(kind, saved, exported):  # noqa: F811
     theirs = auto(exported[kind])
     L = TINY["block_size"]
     idx = torch.randint(0, TINY["vocab_size"], (2, L + 9), generator=torch.Generator().manual_seed(8))
+    hyper_calls = []
+    if kind == "diffeq":  # the weights of every window made once per forward pass
+        theirs.model.hyper.register_forward_hook(lambda m, args, out: hyper_calls.append(1))
     with torch.no_grad():
         out = theirs(idx, labels=idx)
+        assert len(hyper_calls) == (kind == "diffeq")
         assert out.logits.shape == (2, L + 9, TINY["vocab_size"])
         if kind == "llama":
             expected = ours(idx)[0]
