@@ -323,6 +323,9 @@ def test_generate_runs_one_position_per_token_through_the_cache(saved, exported)
         assert len(out.cache.layers) == 8 and out.cache.get_seq_length() == 16
         mine = transformers.DynamicCache(config=theirs.config)  # a cache made as transformers does:
         assert theirs(idx, cache=mine).cache is mine and len(mine.layers) == 8  # a layer each
+        given = transformers.DynamicCache()  # a cache given to generate is the one it fills
+        theirs.generate(idx, max_new_tokens=3, do_sample=False, cache=given)
+        assert given.get_seq_length() == 9
         assert torch.equal(out.sequences, theirs.generate(idx, max_new_tokens=10, do_sample=False, use_cache=False))
         assert torch.equal(out.sequences, sample.generate(ours, idx, 10, temperature=0, steps=4, solver="midpoint"))
 
