@@ -171,7 +171,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         real_vocab = logits[..., :self.model.cfg.tokenizer_vocab or None]  # (the rest: -inf)
         if not real_vocab.isfinite().all():
             raise ValueError(f"{int((~real_vocab.isfinite()).sum()):,} logits are NaN or inf: the "
-                             f"weights overflow {logits.dtype} (too large, or a run that diverged?)")
+                             f"weights overflow {logits.dtype} (too large? a run that diverged?)")
         loss = None
         if labels is not None:
             n = (labels[:, 1:] != -100).sum() if num_items_in_batch is None else num_items_in_batch
