@@ -383,7 +383,7 @@ class Context(NamedTuple):
     one row per sequence."""
     pos: torch.Tensor  # (T,) or (B, T): each token's position (learned positions, RoPE)
     mask: torch.Tensor | None = None  # (T, S) or (B, 1, T, S): True where token i sees key j
-    kv: list | None = None  # a KV cache per evaluation of F: kv[j].update(slots, k, v) -> (K, V)
+    caches: list | None = None  # a KV cache per evaluation of F: .update(slots, k, v) -> (K, V)
     slots: torch.Tensor | None = None  # (T,): where the tokens' keys and values go in the caches
     head: torch.Tensor | None = None  # the output head, cast once (decoding); None: the model's
     last: bool = False  # only the last position's logits (decoding: the next token's)
@@ -498,7 +498,7 @@ class DiffEqFormer(nn.Module):
         steps, solver = cfg.depth(steps, solver)
         B, T = idx.size()
         ctx = context or Context(torch.arange(T, device=idx.device))
-        if T > cfg.block_size and (cfg.flavor == "gpt" or ctx.kv is not None):
+        if T > cfg.block_size and (cfg.flavor == "gpt" or ctx.caches is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
         if ctx.last and targets is not None:
             raise ValueError("a pass that computes the last position's logits only has no loss")
@@ -512,8 +512,7 @@ class DiffEqFormer(nn.Module):
         mask = ctx.mask
         if mask is None and T > cfg.block_size:  # a RoPE model past its context: a sliding window
             mask = sliding_window_mask(ctx.pos, ctx.pos, cfg.block_size)
-        kv = None if ctx.kv is None else [(cache, ctx.slots) for cache in ctx.kv]
-        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, kv)
+        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, ctx.caches, ctx.slots)
         if ctx.last:  # decoding: the next token needs the last position only
             x = x[:, -1:]
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
@@ -546,33 +545,34 @@ class DiffEqFormer(nn.Module):
             return [module.weights() for module in self.layers]
         return unbind_times(self.hyper(self.times(steps, solver, offsets)))
 
-    def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, kv=None):
+    def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, caches=None,
+                  slots=None):
         """X(1) from X(0): `steps` solver steps of the ODE with weights[j] at evaluation j of F
-        (METHOD 2), or the layers of a model with fixed layers; kv[j]: evaluation j's KV cache."""
-        cfg = self.cfg
-        recompute = cfg.checkpoint and self.training
+        (METHOD 2), or the layers of a model with fixed layers; caches[j]: evaluation j's KV cache,
+        where the tokens' keys and values go, into its slots (see Context)."""
+        cfg, n = self.cfg, evaluations(self.cfg, steps, solver)
+        if caches is not None and len(caches) != n:
+            raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(caches)}")
 
-        def run(fn, *args):  # activation checkpointing: keep fn's input, recompute the rest
-            return checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
-
-        n = evaluations(cfg, steps, solver)
-        kv = [None] * n if kv is None else kv
-        if len(kv) != n:
-            raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(kv)}")
+        def run(fn, x, j, *w):  # evaluation j; activation checkpointing: keep x, recompute the rest
+            args = (x, *w, cfg, rope, dropout, mask, None if caches is None else (caches[j], slots))
+            if cfg.checkpoint and self.training:
+                return checkpoint(fn, *args, use_reentrant=False)
+            return fn(*args)
         if not cfg.is_ode and weights is None:  # module calls: FSDP2 gathers each layer's weights
-            for module, kv_j in zip(self.layers, kv):
-                x = run(module, x, cfg, rope, dropout, mask, kv_j)
+            for j, module in enumerate(self.layers):
+                x = run(module, x, j)
             return x
         W = self.step_weights(steps, solver) if weights is None else weights  # W[j]: evaluation j's
         if len(W) != n:
             raise ValueError(f"weights for {len(W)} stage times; {steps} {solver} steps need {n}")
         if not cfg.is_ode:  # the layers with weights made beforehand (sample.py: cast once)
-            for w, kv_j in zip(W, kv):
-                x = run(layer, x, w, cfg, rope, dropout, mask, kv_j)
+            for j, w in enumerate(W):
+                x = run(layer, x, j, w)
             return x
 
         def f(x, j):  # F(x, t_j), evaluation j of the vector field (METHOD 1)
-            return run(vector_field, x, W[j], cfg, rope, dropout, mask, kv[j])
+            return run(vector_field, x, j, W[j])
 
         h = 1.0 / steps
         for k in range(steps):

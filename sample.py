@@ -112,6 +112,7 @@ class KVCache(nn.Module):
 
     def update(self, slots, k, v):
         """Write the keys and values k, v (B, nh, T, hs) into slots (T,); return the whole cache."""
+        assert slots.shape == k.shape[2:3], "a slot per token"
         self.k[:, :, slots] = k
         self.v[:, :, slots] = v
         return self.k, self.v
@@ -135,25 +136,30 @@ class DecodingState:
     token multiplies by, made once per generation in the dtype the step computes in: the block
     weights of every evaluation (an ODE's generated at every stage time) and the output head. No
     token then generates or casts a weight: an ODE's token costs what a GPT's does."""
-    kv: list
+    key: tuple  # (steps, solver, batch_size, max_len, dtype, device): the generations it serves
+    caches: list
     weights: list
     head: torch.Tensor
-    steps: int
-    solver: str
 
     def context(self, pos):
         """The Context of tokens at positions pos (T,): they see the slots of the last max_len
         positions and are written into slots pos % max_len; the next token's logits only."""
-        mask, slots = cache_mask(pos, self.kv[0].k.size(2))
-        return Context(pos, mask, self.kv, slots, self.head, last=True)
+        mask, slots = cache_mask(pos, self.caches[0].k.size(2))
+        return Context(pos, mask, self.caches, slots, self.head, last=True)
+
+    def named_weights(self):
+        """[(name, tensor)] of what every token multiplies by: "head", "j.attn.0" (evaluation j's
+        attn weight), "j.attn.1" (its bias), ..."""
+        return [("head", self.head)] + [(f"{j}.{name}.{i}", t) for j, w in enumerate(self.weights)
+                                        for name, pair in w.items()
+                                        for i, t in enumerate(pair) if t is not None]
 
     def tensors(self):
-        return [self.head, *(t for c in self.kv for t in (c.k, c.v)),
-                *(t for w in self.weights for pair in w.values() for t in pair if t is not None)]
+        return [t for _, t in self.named_weights()] + [t for c in self.caches for t in (c.k, c.v)]
 
 
-# the last DecodingState of each model, refilled by its next generation of the same shapes, dtype
-# and device: its tensors keep their addresses, which a CUDA graph of the one-token step reads from
+# the last DecodingState of each model, refilled by the next generation it serves (its key): its
+# tensors keep their addresses, which a CUDA graph of the one-token step reads from
 STATES = weakref.WeakKeyDictionary()
 
 
@@ -171,18 +177,12 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
     weights = model.step_weights(steps, solver)  # an ODE's generated now, once per generation
     head = model.wte.weight if model.lm_head is None else model.lm_head.weight
-    hs = cfg.n_embd // cfg.n_head
-    state = STATES.get(model)
-    if state is not None and (state.steps, state.solver) == (steps, solver) \
-            and state.kv[0].k.shape == (batch_size, cfg.n_head, max_len, hs) \
-            and (state.kv[0].k.dtype, state.kv[0].k.device) == (dtype, device):
-        # copied into the last generation's tensors (copy_ casts): the caches are theirs, and
-        # their stale slots are masked until rewritten
-        fresh = DecodingState(state.kv, weights, head, steps, solver)
-        for old, new in {id(old): (old, new) for old, new in zip(state.tensors(),
-                                                                   fresh.tensors())}.values():
-            if old is not new:
-                old.copy_(new)
+    key, state = (steps, solver, batch_size, max_len, dtype, device), STATES.get(model)
+    if state is not None and state.key == key:  # as gpt-fast's setup_caches: reuse what serves
+        new = dict(DecodingState(key, [], weights, head).named_weights())
+        for name, t in state.named_weights():  # copy_ casts; the caches' stale slots stay masked
+            if t is not new[name]:
+                t.copy_(new[name])
         return state
     linear, cast = block_shapes(cfg), {}  # the weights F.linear multiplies by: attn, proj, ...
 
@@ -192,27 +192,29 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
         return cast.get(id(t), t)
     weights = [{name: tuple(once(t, name) for t in pair) for name, pair in w.items()}
                for w in weights]
-    kv = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
-          for _ in range(evaluations(cfg, steps, solver))]
-    STATES[model] = state = DecodingState(kv, weights, head.to(dtype), steps, solver)
+    caches = [KVCache(batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, device, dtype)
+              for _ in range(evaluations(cfg, steps, solver))]
+    STATES[model] = state = DecodingState(key, caches, weights, head.to(dtype))
     for t in state.tensors():  # CUDA graphs read them in place instead of copying them in
         torch._dynamo.mark_static_address(t, guard=False)
     return state
 
 
-def prefill(model, idx, state):
-    """The next-token logits (B, vocab) after idx (B, T), its tokens at positions 0..T-1, in one
-    pass that fills the KV caches."""
-    pos = torch.arange(idx.size(1), device=idx.device)
-    return decode_one_token(model, idx, pos, state)
-
-
-def decode_one_token(model, idx, input_pos, state):
-    """The next-token logits (B, vocab) after idx (B, 1) at position input_pos (1,), through the KV
-    caches: the step that generate repeats, and compiles with --compile."""
-    logits, _ = model(idx, steps=state.steps, solver=state.solver, weights=state.weights,
+def prefill(model, x, input_pos, state):
+    """The next-token logits (B, vocab) after x (B, T), its tokens at positions input_pos (T,), in
+    one pass that writes their keys and values into the KV caches."""
+    assert input_pos.shape == x.shape[1:], "a position per token"
+    steps, solver = state.key[:2]
+    logits, _ = model(x, steps=steps, solver=solver, weights=state.weights,
                       context=state.context(input_pos))
     return logits[:, -1]
+
+
+def decode_one_token(model, x, input_pos, state):
+    """prefill of one token, x (B, 1) at position input_pos (1,): the step that generate repeats,
+    and compiles with --compile."""
+    assert input_pos.shape == (1,), "one token"
+    return prefill(model, x, input_pos, state)
 
 
 @functools.cache
@@ -237,42 +239,44 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
              solver=None, compile=False):
     """idx (B, T) followed by max_new_tokens tokens, each drawn by sample_next from the last logits.
     Past the context: a RoPE model goes on with a sliding window of block_size positions at the same
-    cost; a GPT-flavour model's learned positions move, so it recomputes the window of the last
-    block_size tokens for every token (what decoding without a cache costs). compile: what repeats
-    per token, compiled (`compiled`): the one-token step, and the window's recomputation; the prompt
-    runs eagerly (one pass: compiling it would cost more than it saves)."""
+    cost; a GPT-flavour model's learned positions move, so it prefills the window of the last
+    block_size tokens again for every token (what decoding without a cache costs). compile: what
+    repeats per token, compiled (`compiled`): decode_one_token, and that window's prefill; the
+    prompt's prefill runs eagerly (once: compiling it would cost more than it saves)."""
     B, T = idx.size()
     if T == 0:
         raise ValueError("generate needs a prompt of at least one token")
     steps, solver = model.cfg.depth(steps, solver)
     L = cache_length(T + max_new_tokens, model.cfg.block_size)
     state = setup_caches(model, B, L, steps, solver)
-    device = idx.device
-    step, window = (compiled(decode_one_token, device.type), compiled(prefill, device.type)) \
-        if compile else (decode_one_token, prefill)
+    device, rope = idx.device, model.cfg.flavor == "llama"
+
+    def run(fn, x, input_pos):  # fn compiled with --compile
+        return (compiled(fn, device.type) if compile else fn)(model, x, input_pos, state)
+
     out = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=device)
     out[:, :T] = idx
+    window = torch.arange(L, device=device)  # the positions of a full window
+    # the first L tokens (RoPE: then the rest one by one into the sliding window), or the last L
+    logits = prefill(model, idx[:, :L] if rope else idx[:, -L:], window[:min(T, L)], state)
+    if not logits.amax(dim=-1).isfinite().all():  # one host synchronisation per generation
+        raise ValueError("its logits after the prompt are not finite (its weights overflow)")
     pos = torch.full((1,), min(T, L), device=device)  # the position of the next token fed
-    rope = model.cfg.flavor == "llama"
-    if rope:  # the first L tokens at once, then one by one into the sliding window
-        logits = prefill(model, idx[:, :L], state)
-        for p in range(L, T):
-            logits = step(model, idx[:, p:p + 1].contiguous(), pos, state)
-            pos += 1  # on the device: no token waits for the host
-    else:
-        logits = prefill(model, idx[:, -L:], state)
+    for p in range(L, T) if rope else ():
+        logits = run(decode_one_token, idx[:, p:p + 1].contiguous(), pos)
+        pos += 1  # on the device: no token waits for the host
     for p in range(T, T + max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
         out[:, p:p + 1] = token
         if p == T + max_new_tokens - 1:
             break
         if rope or p < L:
-            logits = step(model, token, pos, state)
+            logits = run(decode_one_token, token, pos)
             pos += 1
         else:  # learned positions, context full: the window of the last L tokens, again, contiguous
-            # (a slice of out has out's row stride, T + max_new_tokens: a compiled window guards on
+            # (a slice of out has out's row stride, T + max_new_tokens: a compiled prefill guards on
             # it, and a generation of another length would compile it again, with dynamic shapes)
-            logits = window(model, out[:, p + 1 - L:p + 1].contiguous(), state)
+            logits = run(prefill, out[:, p + 1 - L:p + 1].contiguous(), window)
     return out
 
 
@@ -295,7 +299,7 @@ def main(argv):
                                 "--start")
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
     t0 = time.perf_counter()
-    with env.autocast():
+    with env.autocast(), as_user_error(f"{cfg.init_from}: "):
         y = generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, cfg.top_p,
                      steps, solver, cfg.compile)
     common.synchronize(env.device)  # a GPU (CUDA, MPS) may still be computing

@@ -76,7 +76,7 @@ def test_cached_logits_equal_recomputed_logits_at_every_position(model_type, fla
     n = 2 * BLOCK if flavor == "llama" else BLOCK
     idx = prompt(n)
     state = sample.setup_caches(model, 2, BLOCK, *model.cfg.depth(steps, solver))
-    logits = sample.prefill(model, idx[:, :4], state)
+    logits = sample.prefill(model, idx[:, :4], torch.arange(4), state)
     assert (logits - recomputed_logits(model, idx[:, :4], steps, solver)).abs().max() < 1e-10
     for p in range(4, n):
         logits = sample.decode_one_token(model, idx[:, p:p + 1], torch.tensor([p]), state)
@@ -111,19 +111,52 @@ def test_the_odes_weights_are_generated_once_per_generation():
 
 @pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
 def test_a_generation_refills_the_last_state_in_place_with_the_new_weights(model_type):
-    """The second generation of the same shapes reuses the first one's caches and weight tensors (their
+    """The second generation of the same key reuses the first one's caches and weight tensors (their
     addresses are what a CUDA graph reads) and copies the model's new weights into them: its tokens are
     those of the changed model, also where fewer positions than before are written."""
     model = random_model(model_type)
     generate(model, prompt(BLOCK - 4), 4, temperature=0)
-    addresses = [t.data_ptr() for t in sample.STATES[model].tensors()]
+    first = sample.setup_caches(model, 2, BLOCK, 3, "euler")  # generate's key: TINY's 3 layers or steps
+    addresses = [t.data_ptr() for t in first.tensors()]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
+    refilled = sample.setup_caches(model, 2, BLOCK, 3, "euler")
+    assert refilled is first and [t.data_ptr() for t in refilled.tensors()] == addresses
     out = generate(model, prompt(BLOCK - 4, seed=2), 4, temperature=0)
-    assert [t.data_ptr() for t in sample.STATES[model].tensors()] == addresses
     for t in range(BLOCK - 4, BLOCK):
         assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t]).argmax(-1)), t
+
+
+def test_a_generation_at_another_depth_gets_a_state_of_its_own():
+    """Each generation on one model decodes at its own steps and solver: none runs the last one's, which
+    has as many evaluations of F (4 euler, 1 rk4) or as many stages (rk4) as it."""
+    model = random_model()
+    for steps, solver in ((3, "euler"), (6, "rk4"), (4, "rk4"), (4, "euler"), (1, "rk4")):
+        out = generate(model, prompt(4), 8, temperature=0, steps=steps, solver=solver)
+        for t in range(4, 12):
+            assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t], steps, solver).argmax(-1)), (steps, t)
+
+
+@pytest.mark.parametrize("flavor,T", [("gpt", 4), ("gpt", BLOCK + 3), ("llama", BLOCK + 3)])
+def test_a_generation_runs_one_forward_pass_per_token_fed(flavor, T):
+    """The prompt's prefill (its first block_size tokens), then one pass per token after it but the last
+    new one: a RoPE model's prompt past the context one token at a time, a GPT's window prefilled again."""
+    model, passes = random_model(flavor=flavor), []
+    model.register_forward_pre_hook(lambda *args: passes.append(1))
+    generate(model, prompt(T), 5, temperature=0)
+    assert len(passes) == 1 + (T - BLOCK if flavor == "llama" and T > BLOCK else 0) + 4
+
+
+def test_prefill_and_decode_one_token_take_the_shapes_they_say():
+    model = random_model()
+    state = sample.setup_caches(model, 2, 8, 3, "euler")
+    with pytest.raises(AssertionError, match="a position per token"):
+        sample.prefill(model, prompt(3), torch.arange(2), state)
+    with pytest.raises(AssertionError, match="one token"):
+        sample.decode_one_token(model, prompt(2), torch.arange(2), state)
+    with pytest.raises(AssertionError, match="a slot per token"):
+        state.caches[0].update(torch.arange(2), state.caches[0].k[:, :, :3], state.caches[0].v[:, :, :3])
 
 
 
@@ -154,7 +187,7 @@ def test_decoding_needs_caches_set_up_for_its_steps():
     with pytest.raises(ValueError, match="4 euler steps need 4 KV caches, got 3"):
         model(prompt(1, B=1), steps=4, context=state.context(torch.tensor([0])))
     with pytest.raises(ValueError, match="9 tokens do not fit KV caches of 8 positions"):
-        sample.prefill(model, prompt(9, B=1), state)
+        sample.prefill(model, prompt(9, B=1), torch.arange(9), state)
 
 
 @pytest.mark.parametrize("model_type,flavor,solver", [("diffeq", "llama", "euler"), ("diffeq", "gpt", "rk4"),
@@ -173,6 +206,9 @@ def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recomp
             fast = generate(model, prompt(3), n, temperature=0, steps=steps, solver=solver, compile=True)
             assert torch.equal(eager[:, :3 + n], fast)
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    # and something was compiled (no compilation has no graph break either): decode_one_token, and a
+    # GPT-flavour model's window prefill
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 + (flavor == "gpt")
 
 
 def test_the_caches_length_rounds_up_to_an_eighth_of_the_context():
@@ -181,6 +217,7 @@ def test_the_caches_length_rounds_up_to_an_eighth_of_the_context():
     assert [sample.cache_length(n, 1024) for n in (1, 128, 129, 272, 1000, 1024, 5000)] == \
         [128, 128, 256, 384, 1024, 1024, 1024]
     assert [sample.cache_length(n, BLOCK) for n in (5, 12, 40)] == [5, 12, 12]
+    assert [sample.cache_length(n, 5) for n in (1, 3, 5, 9)] == [1, 3, 5, 5]  # 5 // 8 = 0: one by one
     assert len({sample.cache_length(n, 1024) for n in range(1, 3000)}) == 8
 
 
@@ -191,6 +228,22 @@ def test_weight_sharing_casts_its_one_block_once():
         state = sample.setup_caches(model, 1, 8, 3, "midpoint")
     attn = {id(w["attn"][0]) for w in state.weights}
     assert len(state.weights) == 6 and len(attn) == 1 and state.weights[0]["attn"][0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("model_type", ["baseline", "shared", "diffeq"])
+def test_under_autocast_the_state_casts_the_linear_weights_and_the_head_only(model_type):
+    """The norms' gains and biases stay as step_weights makes them (the forward pass casts them to the
+    residual stream's float32): cast to bf16 first, they would round, and a logit would move."""
+    model = random_model(model_type).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = sample.setup_caches(model, 1, 8, 3, "euler")
+        made = model.step_weights(3, "euler")
+    assert state.head.dtype == torch.bfloat16
+    for w, m in zip(state.weights, made, strict=True):
+        for name, pair in w.items():
+            linear = name not in ("ln_1", "ln_2")
+            assert [t is None or t.dtype == (torch.bfloat16 if linear else m[name][0].dtype) for t in pair] == [True] * 2
+            assert linear or all(t is None or torch.equal(t, u) for t, u in zip(pair, m[name])), name
 
 
 def test_past_the_recompile_limit_a_new_shape_decodes_eagerly():
