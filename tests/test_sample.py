@@ -198,6 +198,7 @@ def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recomp
     and whole, a second generation included (the refilled state: the same addresses), one token longer
     (the same caches; the window is a slice of a longer output)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them
     model = random_model(model_type, flavor).float()
     steps, solver = (3, solver) if model.cfg.is_ode else (None, None)
     eager = generate(model, prompt(3), 2 * BLOCK + 1, temperature=0, steps=steps, solver=solver)
