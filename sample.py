@@ -28,9 +28,10 @@ import torch.nn.functional as F
 import checkpoints
 import common
 import prepare
-from configurator import as_user_error, parse_config, run_main
+from configurator import UserError, as_user_error, parse_config, run_main
 from model import (SOLVERS, Context, block_shapes, check_step_count, evaluations,
                    sliding_window_mask)
+from scale.memory import device_memory_gib
 
 
 MAX_NEW_TOKENS = 1_000_000  # a sample is held in memory and printed at the end; at the default
@@ -282,6 +283,15 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
 
 # -- the command line -----------------------------------------------------------------------------
 
+def generation_gib(cfg, dtype, B, T, N, steps, solver):
+    """About the memory a generation of B samples of T + N tokens holds at once, in GiB: the tokens,
+    the KV caches, and one prefill's widest activations and the sampling's copies of the logits."""
+    L = cache_length(T + N, cfg.block_size)
+    caches = evaluations(cfg, steps, solver) * 2 * B * L * cfg.n_embd * dtype.itemsize
+    widest = 4 * B * (L * max(3 * cfg.n_embd, cfg.ffn_dim, cfg.n_head * L) + 4 * cfg.vocab_size)
+    return (8 * B * (T + N) + caches + widest) / 2 ** 30
+
+
 def describe(model, steps, solver):
     """"diffeq (gpt), 6 euler steps" or "baseline (llama), 12 layers": the model as it will run."""
     return f"{model.cfg.model_type} ({model.cfg.flavor}), {model.cfg.depth_label(steps, solver)}"
@@ -297,6 +307,12 @@ def main(argv):
     tok = prepare.get_tokenizer(ckpt["tokenizer"])
     ids = prepare.encode_prompt(prepare.read_prompt(cfg.start), tok, model.cfg.vocab_size,
                                 "--start")
+    need, have = generation_gib(model.cfg, env.dtype, cfg.num_samples, len(ids),
+                                cfg.max_new_tokens, steps, solver), device_memory_gib(env)
+    if need > have:  # refused before any of it is allocated (the OOM killer gives no message)
+        raise UserError(f"--num_samples={cfg.num_samples} x {len(ids)} + {cfg.max_new_tokens} "
+                        f"tokens need about {need:,.1f} GiB, more than the {have:,.1f} GiB of "
+                        f"{env.device}: ask for fewer samples (or --max_new_tokens)")
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
     t0 = time.perf_counter()
     with env.autocast(), as_user_error(f"{cfg.init_from}: "):

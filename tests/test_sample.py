@@ -425,6 +425,30 @@ def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, token
         run_sample(capsys, path, f"--start={start}")
 
 
+def test_more_samples_than_memory_holds_are_refused_before_any_is_allocated(tmp_path, capsys, monkeypatch):
+    """10 million samples of the default 500 tokens: 40 GB of token ids alone, past a machine of 64 GiB (the
+    OOM killer, or a failed allocation, without a word); a plan that fits decodes."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+    monkeypatch.setattr(sample, "device_memory_gib", lambda env: 64.0)
+    with pytest.raises(UserError, match=r"^--num_samples=10000000 x 1 \+ 500 tokens need about [\d,.]+ GiB, more "
+                                        r"than the 64.0 GiB of cpu: ask for fewer samples \(or --max_new_tokens\)$"):
+        sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=10000000", "--start=a"])
+    assert sample.generation_gib(byte_model().cfg, torch.float32, 10 ** 7, 1, 500, 3, "euler") > 64
+    assert run_sample(capsys, path, "--start=ab", "--max_new_tokens=6") == expected(byte_model(), "ab", 6)
+
+
+def test_logits_that_overflow_are_one_line(tmp_path, capsys):
+    """Finite weights whose logits overflow to inf (a gain of 3e38 before the head): one line, not
+    torch.multinomial's "probability tensor contains either inf, nan or element < 0"."""
+    model = byte_model()
+    with torch.no_grad():
+        model.ln_f.weight.fill_(3e38)
+    path = save_model(tmp_path / "ckpt.pt", model)
+    for temperature in ("0", "1"):
+        with pytest.raises(UserError, match=r"ckpt.pt: its logits after the prompt are not finite \(its weights overflow\)$"):
+            sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=1", f"--temperature={temperature}"])
+
+
 def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
     checkpoints.save(dict(kind=checkpoints.LORA_RUN), str(tmp_path / "run.pt"))
     with pytest.raises(UserError, match=f"holds a {checkpoints.LORA_RUN} checkpoint, not a {checkpoints.MODEL}"):
