@@ -388,6 +388,20 @@ def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys)
         run_sample(capsys, save_model(tmp_path / "m.pt", byte_model("materialized")), "--solver=rk4")
 
 
+def test_compile_asks_for_the_compiled_steps(tmp_path, capsys, monkeypatch):
+    """--compile reaches generate: decode_one_token (and a GPT-flavour window's prefill past the context)
+    through `compiled`, here recorded and left eager (the compiled tests above compile for real)."""
+    asked = []
+    monkeypatch.setattr(sample, "compiled", lambda fn, device_type: asked.append(fn.__name__) or fn)
+    model = byte_model()
+    path = save_model(tmp_path / "ckpt.pt", model)
+    assert run_sample(capsys, path, "--start=ab", "--max_new_tokens=14", "--compile") == expected(model, "ab", 14)
+    assert set(asked) == {"decode_one_token", "prefill"}
+    asked.clear()
+    run_sample(capsys, path, "--start=ab", "--max_new_tokens=14")
+    assert asked == []
+
+
 def test_top_k_0_samples_among_every_token(tmp_path, capsys):
     """--top_k=0 (the documented "0: all of them") at a temperature above 0 draws what top_k equal
     to the whole byte vocabulary draws from the same seed (not an IndexError), and not what
