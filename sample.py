@@ -285,10 +285,10 @@ def main(argv):
     tok = prepare.get_tokenizer(ckpt["tokenizer"])
     ids = prepare.encode_prompt(prepare.read_prompt(cfg.start), tok, model.cfg.vocab_size,
                                 "--start")
-    n = len(ids) + cfg.max_new_tokens  # refused before any is allocated (the OOM killer is mute)
+    n = len(ids) + cfg.max_new_tokens  # tokens per sample
     need = decoding_gib(model.cfg, env.dtype, cfg.num_samples, n,
                         cache_length(n, model.cfg.block_size), steps, solver)
-    if need > (have := device_memory_gib(env)):
+    if need > (have := device_memory_gib(env)):  # before any is allocated: the OOM killer is mute
         raise UserError(f"--num_samples={cfg.num_samples} x {n} tokens need about {need:,.1f} GiB, "
                         f"more than the {have:,.1f} GiB of {env.device}: ask for fewer (or fewer "
                         f"--max_new_tokens)")
