@@ -1,6 +1,7 @@
 """Decoding with the KV cache (sample.generate) against recomputation, sampling filters, and sample.py."""
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -151,11 +152,11 @@ def test_a_generation_runs_one_forward_pass_per_token_fed(flavor, T):
 def test_prefill_and_decode_one_token_take_the_shapes_they_say():
     model = random_model()
     state = sample.setup_caches(model, 2, 8, 3, "euler")
-    with pytest.raises(AssertionError, match="a position per token"):
+    with pytest.raises(AssertionError, match="^a position per token$"):
         sample.prefill(model, prompt(3), torch.arange(2), state)
-    with pytest.raises(AssertionError, match="one token"):
+    with pytest.raises(AssertionError, match="^one token$"):
         sample.decode_one_token(model, prompt(2), torch.arange(2), state)
-    with pytest.raises(AssertionError, match="a slot per token"):
+    with pytest.raises(AssertionError, match="^a slot per token$"):
         state.caches[0].update(torch.arange(2), state.caches[0].k[:, :, :3], state.caches[0].v[:, :, :3])
 
 
@@ -229,6 +230,32 @@ def test_weight_sharing_casts_its_one_block_once():
         state = sample.setup_caches(model, 1, 8, 3, "midpoint")
     attn = {id(w["attn"][0]) for w in state.weights}
     assert len(state.weights) == 6 and len(attn) == 1 and state.weights[0]["attn"][0].dtype == torch.bfloat16
+
+
+class Casts(TorchDispatchMode):
+    """The shapes of the tensors cast (aten._to_copy) inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
+def test_under_autocast_no_token_casts_a_weight(model_type):
+    """A decoding step under bf16 autocast casts activations (B, 1, C) and an ODE's generated gains (C,),
+    never a weight (2-D): the block weights and the head were cast once, by setup_caches."""
+    model = random_model(model_type).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = sample.setup_caches(model, 2, 8, 3, "euler")
+        sample.prefill(model, prompt(3), torch.arange(3), state)
+        with Casts() as casts:
+            sample.decode_one_token(model, prompt(1), torch.tensor([3]), state)
+    assert casts.shapes and all(len(shape) != 2 for shape in casts.shapes), casts.shapes
 
 
 @pytest.mark.parametrize("model_type", ["baseline", "shared", "diffeq"])
@@ -388,7 +415,7 @@ def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys)
         run_sample(capsys, save_model(tmp_path / "m.pt", byte_model("materialized")), "--solver=rk4")
 
 
-def test_compile_asks_for_the_compiled_steps(tmp_path, capsys, monkeypatch):
+def test_the_compile_flag_reaches_the_decoding_steps(tmp_path, capsys, monkeypatch):
     """--compile reaches generate: decode_one_token (and a GPT-flavour window's prefill past the context)
     through `compiled`, here recorded and left eager (the compiled tests above compile for real)."""
     asked = []
@@ -400,6 +427,53 @@ def test_compile_asks_for_the_compiled_steps(tmp_path, capsys, monkeypatch):
     asked.clear()
     run_sample(capsys, path, "--start=ab", "--max_new_tokens=14")
     assert asked == []
+
+
+def test_the_statistics_line_says_the_model_its_depth_and_the_speed(tmp_path, capsys, monkeypatch):
+    """stderr's one line, with a clock that reads 100 s, then 102.5 s: 2 x 5 tokens in 2.5 s, 4 tokens/s."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+    clock = iter([100.0, 102.5])
+    monkeypatch.setattr(sample, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(sample, "compiled", lambda fn, device_type: fn)
+    sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=2", "--max_new_tokens=5", "--steps=2",
+                 "--solver=rk4", "--compile"])
+    assert capsys.readouterr().err == f"{path}: diffeq (gpt), 2 rk4 steps; 2 x 5 tokens in 2.50 s (4 tokens/s, " \
+                                      "compile included)\n"
+
+
+def test_ids_past_the_tokenizers_vocabulary_print_no_text(tmp_path, capsys, monkeypatch):
+    """A padded vocabulary's ids (here 256 and 300 past the byte tokenizer's 256) are left out of the text."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+    monkeypatch.setattr(sample, "generate", lambda *args: torch.tensor([[97, 256, 98, 300, 255 - 156]]))
+    assert run_sample(capsys, path, "--start=a") == "abc"
+
+
+def test_the_seed_and_top_p_reach_the_sampling(tmp_path, capsys):
+    """At temperature 1, one seed gives one text and another seed another; --top_p=0.000001 keeps only the
+    likeliest token (its probability is above 1e-6), so that it samples the greedy text."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+
+    def text(*args):
+        sample.main([f"--init_from={path}", "--device=cpu", "--start=ab", "--max_new_tokens=12", *args])
+        return capsys.readouterr().out
+    assert text("--seed=1") == text("--seed=1") != text("--seed=2")
+    assert text("--temperature=1", "--top_p=0.000001", "--seed=3") == text("--temperature=0")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("num_samples", 0, "num_samples=0 must be at least 1"), ("max_new_tokens", 0, "max_new_tokens=0 must be at least 1"),
+    ("top_k", -1, "top_k=-1 must be at least 0"), ("max_new_tokens", sample.MAX_NEW_TOKENS + 1, "must be at most 1,000,000"),
+    ("temperature", -0.5, r"^temperature=-0.5 must be at least 0 \(0 is greedy\)$"), ("top_p", 0.0, r"^top_p=0.0 must be in"),
+    ("top_p", 1.5, r"^top_p=1.5 must be in \(0, 1\]$"), ("solver", "rk45", "^solver='rk45' is not one of euler, midpoint, rk4$"),
+])
+def test_the_sampling_config_refuses_what_it_cannot_run(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        sample.SampleConfig(**{key: value})
+
+
+def test_the_sampling_config_takes_its_bounds():
+    sample.SampleConfig(num_samples=1, max_new_tokens=1, top_k=0, temperature=0.0, top_p=1.0)
+    sample.SampleConfig(max_new_tokens=sample.MAX_NEW_TOKENS)
 
 
 def test_top_k_0_samples_among_every_token(tmp_path, capsys):
@@ -428,7 +502,7 @@ def test_prompt_from_a_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tokenizer,vocab,start,message", [
-    ("byte", 96, "", "the prompt is empty"),
+    ("byte", 96, "", "the prompt is empty: give --start some text"),
     ("byte", 128, "caf\u00e9", r"'\u00e9' \(UTF-8 bytes \[195, 169\]\) is outside its vocabulary of 128 ids \(2 such tokens"),
     ("gpt2", 1024, " the hello", r"' hello' \(token id 23748\) is outside its vocabulary of 1024 ids \(1 such token"),
 ])
