@@ -253,8 +253,8 @@ def test_under_autocast_no_token_casts_a_weight(model_type):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         state = sample.setup_caches(model, 2, 8, 3, "euler")
         sample.prefill(model, prompt(3), torch.arange(3), state)
-        with Casts() as casts:
-            sample.decode_one_token(model, prompt(1), torch.tensor([3]), state)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Casts() as casts:  # autocast's cache of casts: empty
+        sample.decode_one_token(model, prompt(1), torch.tensor([3]), state)
     assert casts.shapes and all(len(shape) != 2 for shape in casts.shapes), casts.shapes
 
 
