@@ -270,31 +270,31 @@ def step_fields(model, steps, T):
     return fields, 1.0 / len(W), W, rope
 
 
-def jacobians(F_k, x, out):
-    """F_k(x) and J[in] = dF_k(x)[out] / dx[in] for every input position, (T, D, D): one
-    vector-Jacobian product vmapped over the D unit cotangents of F_k[out] (torch.func), not a loop
-    over coordinates."""
+def jacobians(F_k, x, target):
+    """F_k(x) and J[in] = dF_k(x)[target] / dx[in] for every input position, (T, D, D): one
+    vector-Jacobian product vmapped over the D unit cotangents of F_k[target] (torch.func), not a
+    loop over coordinates."""
     T, D = x.shape
     cotangents = torch.zeros(D, T, D, dtype=x.dtype)
-    cotangents[:, out] = torch.eye(D, dtype=x.dtype)
+    cotangents[:, target] = torch.eye(D, dtype=x.dtype)
     # attention as matmuls and softmax, which vmap batches (the fused CPU kernel's backward it
     # cannot: it would fall back to a loop over the D cotangents, 4x slower)
     with sdpa_kernel(SDPBackend.MATH):
         y, vjp = torch.func.vjp(F_k, x)
-        (J,) = torch.func.vmap(vjp)(cotangents)  # (D, T, D): J[i, in, j] = dF[out]_i / dx[in]_j
+        (J,) = torch.func.vmap(vjp)(cotangents)  # (D, T, D): J[i, in, j] = dF[target]_i / dx[in]_j
     return y, J.transpose(0, 1)
 
 
-def lyapunov_exponents(fields, h, x0, out, progress=False):
+def lyapunov_exponents(fields, h, x0, target, progress=False):
     """Eq. 7 (METHOD 6): along X_0 .. X_N of the Euler solve, for every input position at once, Q_0
-    = I and Q <- Q + h J_k Q, J_k = dF_k(X_k)[out] / dX_k[in], then QR and lambda += log|diag R|.
+    = I and Q <- Q + h J_k Q, J_k = dF_k(X_k)[target] / dX_k[in], then QR, lambda += log|diag R|.
     Returns the summed exponents (T, D), in the QR's order, and the trajectory [X_0, .., X_N]."""
     T, D = x0.shape
     Q = torch.eye(D, dtype=x0.dtype).expand(T, D, D)
     exponents = torch.zeros(T, D, dtype=x0.dtype)
     xs = [x0]
     for F_k in tqdm(fields, desc="lyapunov", leave=False, disable=not progress):
-        y, J = jacobians(F_k, xs[-1], out)
+        y, J = jacobians(F_k, xs[-1], target)
         Q, R = torch.linalg.qr(Q + h * J @ Q)  # batched over the input positions
         exponents += R.diagonal(dim1=-2, dim2=-1).abs().log()
         xs.append(xs[-1] + h * y)  # X_{k+1} = X_k + h F_k(X_k)
@@ -303,7 +303,7 @@ def lyapunov_exponents(fields, h, x0, out, progress=False):
 
 def last_position_attention(x, w, cfg, rope):
     """The plain attention weights of the last position over all positions, per head (H, T) (App.
-    F): softmax(q_out k_in^T / sqrt(d_h)) on the normed state, with the step's own weights."""
+    F): softmax(q_last k_in^T / sqrt(d_h)) on the normed state, with the step's own weights."""
     Wq, Wk, _ = head_weights(w["attn"][0], cfg.n_head)  # (H, d_h, D)
     y = norm(x, *w["ln_1"], cfg.flavor)  # (T, D)
     q, k = y @ Wq.mT, y @ Wk.mT  # (H, T, d_h)

@@ -19,7 +19,7 @@ times the scale 1000, would scramble the sinusoids).
 """
 import hashlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -35,6 +35,7 @@ INITS = ("reference", "gpt")
 SOLVERS = {"euler": (1.0,), "midpoint": (0.0, 0.5), "rk4": (0.0, 0.5, 0.5, 1.0)}
 MAX_STEPS = 1024  # the step loop is unrolled into a compiled graph; beyond this it makes no sense
 EPS = 1e-5  # LayerNorm and RMSNorm epsilon
+RESIDUAL_PROJECTIONS = ("proj", "fc2", "down")  # the layers that write into the residual stream
 
 
 @dataclass
@@ -125,7 +126,6 @@ def time_dtype(dtype):
 # --------------------------------------------------------------------------------------------------
 # The block maths, written once (METHOD 1). `w` maps a weight name to a (weight, bias) pair; the
 # weights are parameters (GPT, Llama, shared, materialised) or generated for one time t (diffeq).
-
 def norm(x, weight, bias, flavor):
     """LayerNorm (biased variance) for GPT, RMSNorm for Llama. Generated gains come out of autocast
     in bf16, so they take the residual stream's dtype."""
@@ -155,7 +155,6 @@ def apply_rope(x, cos, sin):
 
 def attention(x, w, cfg, rope, dropout, mask=None, kv=None):
     """Causal multi-head self-attention A_t(Y) (METHOD 1), fused QKV, then the output projection.
-
     mask (T, S) or (B, 1, T, S), True where a query may see a key, replaces the plain causal mask
     where that is not enough: a KV cache, padding, or a RoPE model reading more than block_size
     tokens. kv, with a KV cache, is (this evaluation's cache, the slots (T,) of x's tokens): their
@@ -207,14 +206,10 @@ def layer(x, w, cfg, rope, dropout, mask=None, kv=None):
 
 def block_shapes(cfg):
     """(in, out, has_bias) of every linear weight of a block, by name; all models share the names"""
-    C, H, bias = cfg.n_embd, cfg.ffn_dim, cfg.flavor == "gpt"
-    llama = cfg.flavor == "llama"
+    C, H, llama = cfg.n_embd, cfg.ffn_dim, cfg.flavor == "llama"
     ffn = dict(gate=(C, H), up=(C, H), down=(H, C)) if llama else dict(fc=(C, H), fc2=(H, C))
     shapes = dict(attn=(C, 3 * C), proj=(C, C), **ffn)
-    return {name: (i, o, bias) for name, (i, o) in shapes.items()}
-
-
-RESIDUAL_PROJECTIONS = ("proj", "fc2", "down")  # the layers that write into the residual stream
+    return {name: (i, o, not llama) for name, (i, o) in shapes.items()}  # GPT: biases
 
 
 def stage_times(steps, solver, device=None, dtype=torch.float32):
@@ -226,7 +221,6 @@ def stage_times(steps, solver, device=None, dtype=torch.float32):
 
 # --------------------------------------------------------------------------------------------------
 # Time-dependent weights: the hypernetwork (METHOD 3).
-
 class TimeEmbedding(nn.Module):
     """e(t) = [t, sin(scale t w_j), cos(scale t w_j)], w_j = exp(-ln(max_period) j / S):
     (T,) -> (T, 2S+1), in the dtype of t (at least float32: see the module docstring)."""
@@ -256,10 +250,8 @@ class TimeMLP(nn.Module):
 
 class TimeDependentLinear(nn.Module):
     """W(t) = reshape(A_W z(t) + B_W) and b(t) = C_W z(t) (METHOD 3), for all times at once.
-
     A_W is (out*in, d_t), B_W (out*in,), C_W (out, d_t). W(t) comes out flat, (T, out*in), fresh
-    from one matmul (a module output that is a view upsets FSDP2's backward hooks); HyperNetwork
-    gives it nn.Linear.weight's (out, in) layout."""
+    from one matmul (FSDP2's backward hooks fail on a view); HyperNetwork makes it (T, out, in)."""
 
     def __init__(self, cfg, d_in, d_out, bias):
         super().__init__()
@@ -311,8 +303,7 @@ def hyper_shapes(cfg):
 
 class HyperNetwork(nn.Module):
     """Every block weight of the vector field as a function of t: forward(ts) -> {name: (W, b)},
-    each stacked over the times, (T, ...), with the block's names. Only e(t) is shared; each weight
-    has its own time MLP (METHOD 3)."""
+    stacked over times (T, ...); e(t) is shared, each weight has its own time MLP (METHOD 3)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -323,17 +314,15 @@ class HyperNetwork(nn.Module):
 
     def forward(self, ts):
         e = self.time_embedding(ts).to(self.ln_1.G.dtype)  # (T, 2S+1)
-        units = {name: m for name, m in self.named_children() if name != "time_embedding"}
-        return self.assemble({name: m(e) for name, m in units.items()})
+        return self.assemble({n: m(e) for n, m in self.named_children() if n != "time_embedding"})
 
     def assemble(self, generated):
         """{module name: (W flat (..., out*in) or gain (..., C), b)}, as the modules make them ->
         the block's {name: (W (..., out, in), b)}, the Llama flavour's q, k, v fused into `attn`."""
-        out = {}
-        for name, (W, b) in generated.items():
-            m = getattr(self, name)
-            linear = isinstance(m, TimeDependentLinear)
-            out[name] = (W.unflatten(-1, m.shape), b) if linear else (W, b)  # (..., out, in)
+        linear = {name: m.shape for name, m in self.named_children()
+                  if isinstance(m, TimeDependentLinear)}  # name -> (out, in)
+        out = {name: (W.unflatten(-1, linear[name]) if name in linear else W, b)
+               for name, (W, b) in generated.items()}
         if "q" in out:  # Llama: W_attn(t) = [W_q(t); W_k(t); W_v(t)], (..., 3C, C)
             out["attn"] = (torch.cat([out.pop(name)[0] for name in ("q", "k", "v")], dim=-2), None)
         return out
@@ -368,9 +357,8 @@ class Block(nn.Module):
 
 
 def sliding_window_mask(pos, key_pos, window):
-    """(T, S), or (B, 1, T, S) for positions per sequence (B, T), True where the query at position
-    pos[i] sees the key at key_pos[j]: causal, and at most `window` positions back (itself
-    included)."""
+    """(T, S), or (B, 1, T, S) for positions per sequence (B, T), True where the query at pos[i]
+    sees the key at key_pos[j]: causal, at most `window` positions back (itself included)."""
     offset = pos[..., :, None] - key_pos[..., None, :]  # (T, S) or (B, T, S)
     mask = (offset >= 0) & (offset < window)
     return mask.unsqueeze(1) if mask.dim() == 3 else mask  # the same for every head
@@ -379,11 +367,10 @@ def sliding_window_mask(pos, key_pos, window):
 class Context(NamedTuple):
     """Where the T tokens of a forward pass sit and what each one attends to, for the callers for
     which positions 0..T-1 under a causal mask are not the whole story: decoding through KV caches
-    (sample.py) and padded batches (remote/). Positions and masks are one for the whole batch, or
-    one row per sequence."""
+    (sample.py) and padded batches (remote/): positions and a mask for all rows, or for each."""
     pos: torch.Tensor  # (T,) or (B, T): each token's position (learned positions, RoPE)
     mask: torch.Tensor | None = None  # (T, S) or (B, 1, T, S): True where token i sees key j
-    kv: list | None = None  # a KV cache per evaluation of F: kv[j].update(slots, k, v) -> (K, V)
+    caches: list | None = None  # a KV cache per evaluation of F: .update(slots, k, v) -> (K, V)
     slots: torch.Tensor | None = None  # (T,): where the tokens' keys and values go in the caches
     head: torch.Tensor | None = None  # the output head, cast once (decoding); None: the model's
     last: bool = False  # only the last position's logits (decoding: the next token's)
@@ -404,8 +391,7 @@ def seeded_normal_(rows, std, key, first=0, total=None):
         return rows
     flat = rows.view(rows.size(0), -1)  # (n, values per row)
     per_block = max(1, (1 << 20) // flat.size(1))  # rows per block
-    generator = torch.Generator(rows.device)
-    end = first + rows.size(0)
+    generator, end = torch.Generator(rows.device), first + rows.size(0)
     for block in range(first // per_block, (end - 1) // per_block + 1):
         lo, hi = block * per_block, min((block + 1) * per_block, total)
         digest = hashlib.blake2b(f"{key}/{block}".encode(), digest_size=8).digest()
@@ -415,8 +401,6 @@ def seeded_normal_(rows, std, key, first=0, total=None):
         flat[a - first:b - first] = values[a - lo:b - lo]
     return rows
 
-
-# --------------------------------------------------------------------------------------------------
 
 class DiffEqFormer(nn.Module):
     """Token embedding -> integrate dX/dt = F(X, t) over [0, 1] (or run the layers) -> logits."""
@@ -435,10 +419,9 @@ class DiffEqFormer(nn.Module):
             self.block = Block(cfg)
         else:
             self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        Norm = nn.RMSNorm if cfg.flavor == "llama" else nn.LayerNorm
-        self.ln_f = Norm(cfg.n_embd, eps=EPS)
-        # GPT ties the head to the token embedding (forward uses wte.weight: no tie can break)
         llama = cfg.flavor == "llama"
+        self.ln_f = (nn.RMSNorm if llama else nn.LayerNorm)(cfg.n_embd, eps=EPS)
+        # GPT ties the head to the token embedding (forward uses wte.weight: no tie can break)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False) if llama else None
         self.init_weights()
 
@@ -450,8 +433,7 @@ class DiffEqFormer(nn.Module):
         parameter draws just those: `local(p)` -> (its rows held here, the first one's index)."""
         if self.wte.weight.is_meta:
             return
-        local = local or (lambda p: (p, 0))
-        cfg, std = self.cfg, 0.02
+        cfg, std, local = self.cfg, 0.02, local or (lambda p: (p, 0))
         resid_std = std / math.sqrt(2 * cfg.n_layer)
 
         def normal(name, p, s):
@@ -490,15 +472,13 @@ class DiffEqFormer(nn.Module):
     # -- the forward pass --------------------------------------------------------------------------
     def forward(self, idx, targets=None, steps=None, solver=None, weights=None, context=None):
         """Logits (B, T, vocab) and the mean cross-entropy with targets (ignore index -1), or None.
-        steps, solver: an ODE's depth and solver (default: n_layer Euler steps). weights: the block
-        weights of every evaluation of F, as step_weights makes them, for callers that make them
-        once for many passes (train.py per optimizer step, sample.py per generation). context: where
-        the tokens sit and what they see, when that is not positions 0..T-1 under a causal mask."""
-        cfg = self.cfg
+        steps, solver: an ODE's depth (default: n_layer Euler steps). weights: every evaluation's
+        block weights from step_weights, made once for many passes (train.py per optimizer step,
+        sample.py per generation). context: where the tokens sit and what they see (Context)."""
+        cfg, T = self.cfg, idx.size(1)
         steps, solver = cfg.depth(steps, solver)
-        B, T = idx.size()
         ctx = context or Context(torch.arange(T, device=idx.device))
-        if T > cfg.block_size and (cfg.flavor == "gpt" or ctx.kv is not None):
+        if T > cfg.block_size and (cfg.flavor == "gpt" or ctx.caches is not None):
             raise ValueError(f"sequence of length {T} is longer than block_size={cfg.block_size}")
         if ctx.last and targets is not None:
             raise ValueError("a pass that computes the last position's logits only has no loss")
@@ -512,8 +492,7 @@ class DiffEqFormer(nn.Module):
         mask = ctx.mask
         if mask is None and T > cfg.block_size:  # a RoPE model past its context: a sliding window
             mask = sliding_window_mask(ctx.pos, ctx.pos, cfg.block_size)
-        kv = None if ctx.kv is None else [(cache, ctx.slots) for cache in ctx.kv]
-        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, kv)
+        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, ctx.caches, ctx.slots)
         if ctx.last:  # decoding: the next token needs the last position only
             x = x[:, -1:]
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
@@ -546,33 +525,30 @@ class DiffEqFormer(nn.Module):
             return [module.weights() for module in self.layers]
         return unbind_times(self.hyper(self.times(steps, solver, offsets)))
 
-    def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, kv=None):
+    def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, caches=None,
+                  slots=None):
         """X(1) from X(0): `steps` solver steps of the ODE with weights[j] at evaluation j of F
-        (METHOD 2), or the layers of a model with fixed layers; kv[j]: evaluation j's KV cache."""
-        cfg = self.cfg
-        recompute = cfg.checkpoint and self.training
+        (METHOD 2), or the layers of a model with fixed layers; caches[j]: evaluation j's KV cache,
+        where the tokens' keys and values go, into its slots (see Context)."""
+        cfg, n = self.cfg, evaluations(self.cfg, steps, solver)
+        if caches is not None and len(caches) != n:
+            raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(caches)}")
+        if weights is not None and len(weights) != n:
+            raise ValueError(f"{len(weights)} weights for {steps} {solver} steps, which need {n}")
 
-        def run(fn, *args):  # activation checkpointing: keep fn's input, recompute the rest
-            return checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
-
-        n = evaluations(cfg, steps, solver)
-        kv = [None] * n if kv is None else kv
-        if len(kv) != n:
-            raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(kv)}")
-        if not cfg.is_ode and weights is None:  # module calls: FSDP2 gathers each layer's weights
-            for module, kv_j in zip(self.layers, kv):
-                x = run(module, x, cfg, rope, dropout, mask, kv_j)
+        def run(fn, x, j, *w):  # evaluation j; activation checkpointing: keep x, recompute the rest
+            args = (x, *w, cfg, rope, dropout, mask, None if caches is None else (caches[j], slots))
+            if cfg.checkpoint and self.training:
+                return checkpoint(fn, *args, use_reentrant=False)
+            return fn(*args)
+        if not cfg.is_ode:  # module calls (FSDP2 gathers each layer's weights), or the layers with
+            for j, module in enumerate(self.layers):  # weights made beforehand (sample.py: cast)
+                x = run(module, x, j) if weights is None else run(layer, x, j, weights[j])
             return x
         W = self.step_weights(steps, solver) if weights is None else weights  # W[j]: evaluation j's
-        if len(W) != n:
-            raise ValueError(f"weights for {len(W)} stage times; {steps} {solver} steps need {n}")
-        if not cfg.is_ode:  # the layers with weights made beforehand (sample.py: cast once)
-            for w, kv_j in zip(W, kv):
-                x = run(layer, x, w, cfg, rope, dropout, mask, kv_j)
-            return x
 
         def f(x, j):  # F(x, t_j), evaluation j of the vector field (METHOD 1)
-            return run(vector_field, x, W[j], cfg, rope, dropout, mask, kv[j])
+            return run(vector_field, x, j, W[j])
 
         h = 1.0 / steps
         for k in range(steps):
@@ -581,11 +557,10 @@ class DiffEqFormer(nn.Module):
             elif solver == "midpoint":  # stages at k h and (k + 1/2) h
                 x = x + h * f(x + 0.5 * h * f(x, 2 * k), 2 * k + 1)
             else:  # classical RK4: stages at k h, (k + 1/2) h twice, (k + 1) h
-                j = 4 * k
-                k1 = f(x, j)
-                k2 = f(x + 0.5 * h * k1, j + 1)
-                k3 = f(x + 0.5 * h * k2, j + 2)
-                k4 = f(x + h * k3, j + 3)
+                k1 = f(x, 4 * k)
+                k2 = f(x + 0.5 * h * k1, 4 * k + 1)
+                k3 = f(x + 0.5 * h * k2, 4 * k + 2)
+                k4 = f(x + h * k3, 4 * k + 3)
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
         return x
 
@@ -607,19 +582,16 @@ class DiffEqFormer(nn.Module):
     @torch.no_grad()
     def materialize(self, steps=None):
         """A plain N-layer transformer (nn.Linear weights, residual updates scaled by 1/N) whose
-        logits equal this ODE's with N Euler steps: layer k holds the weights at t_k = (k+1)/N. It
-        has this model's dtype and device."""
+        logits equal this ODE's with N Euler steps: layer k holds the weights at t_k = (k+1)/N, in
+        this model's dtype and on its device."""
         if not self.cfg.is_ode:
             raise ValueError(f"only ODE models can be materialised, not a {self.cfg.model_type}")
         steps, _ = self.cfg.depth(steps, "euler")
-        cfg = ModelConfig(**{**self.cfg.to_dict(), "model_type": "materialized", "n_layer": steps,
-                             "solver": "euler"})
+        cfg = replace(self.cfg, model_type="materialized", n_layer=steps, solver="euler")
         sd = {k: v for k, v in self.state_dict().items() if not k.startswith(("hyper.", "block."))}
         for k, w in enumerate(self.step_weights(steps, "euler")):
-            for name, (weight, bias) in w.items():
-                sd[f"layers.{k}.{name}.weight"] = weight
-                if bias is not None:
-                    sd[f"layers.{k}.{name}.bias"] = bias
+            sd.update({f"layers.{k}.{name}.{kind}": t for name, pair in w.items()
+                       for kind, t in zip(("weight", "bias"), pair) if t is not None})
         with torch.device("meta"):
             out = DiffEqFormer(cfg)
         out = out.to_empty(device=self.wte.weight.device).to(self.wte.weight.dtype)

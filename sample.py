@@ -11,9 +11,8 @@ Sample from a trained model: any checkpoint this project writes, decoded with st
 Generation is gpt-fast's generate.py: `setup_caches` makes static KV caches, one per evaluation of F
 (a layer, or a solver stage of a step), and an ODE's weights, once per generation; `prefill` runs
 the prompt through the model once, filling the caches; `decode_one_token` runs one position through
-every layer per new token. `--compile` compiles that one-token step. What
-only an ODE can do: `--steps` and `--solver` change a DiffEqFormer's (or weight sharing's)
-computation per call. The samples go to stdout, one line of statistics to stderr.
+every layer per new token, and `--compile` compiles it. What only an ODE can do: `--steps` and
+`--solver` change its computation per call. Samples go to stdout, one line of statistics to stderr.
 """
 import functools
 import sys
@@ -28,9 +27,10 @@ import torch.nn.functional as F
 import checkpoints
 import common
 import prepare
-from configurator import as_user_error, parse_config, run_main
+from configurator import UserError, as_user_error, parse_config, run_main
 from model import (SOLVERS, Context, block_shapes, check_step_count, evaluations,
                    sliding_window_mask)
+from scale.memory import decoding_gib, device_memory_gib
 
 
 MAX_NEW_TOKENS = 1_000_000  # a sample is held in memory and printed at the end; at the default
@@ -100,9 +100,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
 
 class KVCache(nn.Module):
     """The keys and values one evaluation of attention has computed, for max_len positions
-    (gpt-fast's static cache): decoding a token runs one position through each layer, not the whole
-    prefix. Position p lives in slot p % max_len, so a RoPE model can go on past max_len, each token
-    seeing the last max_len positions (a sliding window)."""
+    (gpt-fast's static cache). Position p lives in slot p % max_len, so a RoPE model can go on past
+    max_len, each token seeing the last max_len positions (a sliding window)."""
 
     def __init__(self, batch_size, n_head, max_len, head_size, device=None, dtype=None):
         super().__init__()
@@ -112,6 +111,7 @@ class KVCache(nn.Module):
 
     def update(self, slots, k, v):
         """Write the keys and values k, v (B, nh, T, hs) into slots (T,); return the whole cache."""
+        assert slots.shape == k.shape[2:3], "a slot per token"
         self.k[:, :, slots] = k
         self.v[:, :, slots] = v
         return self.k, self.v
@@ -131,38 +131,39 @@ def cache_mask(pos, L):
 @dataclass
 class DecodingState:
     """One generation's state, kept outside the model: a KV cache (batch_size, n_head, max_len,
-    head_size) per evaluation of F (each solver stage is an attention of its own), and what every
-    token multiplies by, made once per generation in the dtype the step computes in: the block
-    weights of every evaluation (an ODE's generated at every stage time) and the output head. No
-    token then generates or casts a weight: an ODE's token costs what a GPT's does."""
-    kv: list
+    head_size) per evaluation of F (each solver stage attends on its own), and what every token
+    multiplies by, in the dtype the step computes in: every evaluation's block weights (an ODE's
+    generated once per generation) and the head. An ODE's token then costs what a GPT's does."""
+    key: tuple  # (steps, solver, batch_size, max_len, dtype, device): the generations it serves
+    caches: list
     weights: list
     head: torch.Tensor
-    steps: int
-    solver: str
 
     def context(self, pos):
         """The Context of tokens at positions pos (T,): they see the slots of the last max_len
         positions and are written into slots pos % max_len; the next token's logits only."""
-        mask, slots = cache_mask(pos, self.kv[0].k.size(2))
-        return Context(pos, mask, self.kv, slots, self.head, last=True)
+        mask, slots = cache_mask(pos, self.caches[0].k.size(2))
+        return Context(pos, mask, self.caches, slots, self.head, last=True)
+
+    def named_weights(self):  # "head", "j.attn.0" (evaluation j's attn weight), "j.attn.1" (bias)
+        return [("head", self.head)] + [(f"{j}.{name}.{i}", t) for j, w in enumerate(self.weights)
+                                        for name, pair in w.items()
+                                        for i, t in enumerate(pair) if t is not None]
 
     def tensors(self):
-        return [self.head, *(t for c in self.kv for t in (c.k, c.v)),
-                *(t for w in self.weights for pair in w.values() for t in pair if t is not None)]
+        return [t for _, t in self.named_weights()] + [t for c in self.caches for t in (c.k, c.v)]
 
 
-# the last DecodingState of each model, refilled by its next generation of the same shapes, dtype
-# and device: its tensors keep their addresses, which a CUDA graph of the one-token step reads from
+# the last DecodingState of each model, refilled by the next generation it serves (its key): its
+# tensors keep their addresses, which a CUDA graph of the one-token step reads from
 STATES = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
 def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     """The DecodingState of a generation of at most max_len positions in the caches. The caches and
-    the linear weights take the autocast dtype when autocast is on (call this inside it), else the
-    parameters'. The norms' gains stay as the forward pass makes them (it casts them to the
-    residual stream's dtype, float32 under autocast)."""
+    linear weights take the autocast dtype under autocast (call this inside it), else the weights';
+    the norms' gains stay as they are (the forward pass casts them to the residual stream's)."""
     cfg, device = model.cfg, model.wte.weight.device
     if not 1 <= max_len <= cfg.block_size:
         raise ValueError(f"max_len={max_len} must be in 1..block_size={cfg.block_size}")
@@ -171,56 +172,49 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
     weights = model.step_weights(steps, solver)  # an ODE's generated now, once per generation
     head = model.wte.weight if model.lm_head is None else model.lm_head.weight
-    hs = cfg.n_embd // cfg.n_head
-    state = STATES.get(model)
-    if state is not None and (state.steps, state.solver) == (steps, solver) \
-            and state.kv[0].k.shape == (batch_size, cfg.n_head, max_len, hs) \
-            and (state.kv[0].k.dtype, state.kv[0].k.device) == (dtype, device):
-        # copied into the last generation's tensors (copy_ casts): the caches are theirs, and
-        # their stale slots are masked until rewritten
-        fresh = DecodingState(state.kv, weights, head, steps, solver)
-        for old, new in {id(old): (old, new) for old, new in zip(state.tensors(),
-                                                                   fresh.tensors())}.values():
-            if old is not new:
-                old.copy_(new)
-        return state
-    linear, cast = block_shapes(cfg), {}  # the weights F.linear multiplies by: attn, proj, ...
+    key, state = (steps, solver, batch_size, max_len, dtype, device), STATES.get(model)
+    if state is None or state.key != key:  # as gpt-fast's setup_caches: new where the last won't do
+        cast, linear = {}, {*block_shapes(cfg), "head"}  # what F.linear multiplies by: attn, ...
 
-    def once(t, name):  # in the step's dtype, each tensor once (weight sharing: one block)
-        if t is not None and name in linear and id(t) not in cast:
-            cast[id(t)] = t.to(dtype)
-        return cast.get(id(t), t)
-    weights = [{name: tuple(once(t, name) for t in pair) for name, pair in w.items()}
-               for w in weights]
-    kv = [KVCache(batch_size, cfg.n_head, max_len, hs, device, dtype)
-          for _ in range(evaluations(cfg, steps, solver))]
-    STATES[model] = state = DecodingState(kv, weights, head.to(dtype), steps, solver)
-    for t in state.tensors():  # CUDA graphs read them in place instead of copying them in
-        torch._dynamo.mark_static_address(t, guard=False)
+        def like(t, name):  # in the step's dtype, each tensor once (weight sharing: one block)
+            if name in linear and t is not None and t.dtype != dtype and id(t) not in cast:
+                cast[id(t)] = torch.empty_like(t, dtype=dtype)
+            return cast.get(id(t), t)  # a tensor in that dtype stays itself
+        caches = [KVCache(batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, device, dtype)
+                  for _ in range(evaluations(cfg, steps, solver))]
+        STATES[model] = state = DecodingState(key, caches, [{
+            name: tuple(like(t, name) for t in pair) for name, pair in w.items()} for w in weights],
+            like(head, "head"))
+        for t in state.tensors():  # CUDA graphs read them in place instead of copying them in
+            torch._dynamo.mark_static_address(t, guard=False)
+    new = dict(DecodingState(key, [], weights, head).named_weights())
+    for name, t in state.named_weights():  # copy_ casts; the caches' stale slots stay masked
+        if t is not new[name]:
+            t.copy_(new[name])
     return state
 
 
-def prefill(model, idx, state):
-    """The next-token logits (B, vocab) after idx (B, T), its tokens at positions 0..T-1, in one
-    pass that fills the KV caches."""
-    pos = torch.arange(idx.size(1), device=idx.device)
-    return decode_one_token(model, idx, pos, state)
-
-
-def decode_one_token(model, idx, input_pos, state):
-    """The next-token logits (B, vocab) after idx (B, 1) at position input_pos (1,), through the KV
-    caches: the step that generate repeats, and compiles with --compile."""
-    logits, _ = model(idx, steps=state.steps, solver=state.solver, weights=state.weights,
+def prefill(model, x, input_pos, state):
+    """The next-token logits (B, vocab) after x (B, T), its tokens at positions input_pos (T,), in
+    one pass that writes their keys and values into the KV caches."""
+    assert input_pos.shape == x.shape[1:], "a position per token"
+    steps, solver = state.key[:2]
+    logits, _ = model(x, steps=steps, solver=solver, weights=state.weights,
                       context=state.context(input_pos))
     return logits[:, -1]
 
 
+def decode_one_token(model, x, input_pos, state):
+    """prefill of one token, x (B, 1) at input_pos (1,): the step generate repeats and compiles."""
+    assert input_pos.shape == (1,), "one token"
+    return prefill(model, x, input_pos, state)
+
+
 @functools.cache
 def compiled(fn, device_type):
-    """fn compiled as gpt-fast compiles its decoding, on CUDA as CUDA graphs
-    (mode="reduce-overhead"), so that a token costs one graph launch instead of hundreds of kernel
-    launches from Python. It compiles into one graph (the tests check that nothing breaks it), once
-    per shape; past torch's recompile limit (8 shapes) a new shape runs eagerly, not failing."""
+    """fn compiled as gpt-fast compiles its decoding, on CUDA as CUDA graphs ("reduce-overhead"):
+    a token costs one graph launch, not hundreds of kernel launches. One graph (the tests check
+    that nothing breaks it) per shape; past torch's recompile limit (8) a shape runs eagerly."""
     return torch.compile(fn, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
@@ -237,42 +231,40 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
              solver=None, compile=False):
     """idx (B, T) followed by max_new_tokens tokens, each drawn by sample_next from the last logits.
     Past the context: a RoPE model goes on with a sliding window of block_size positions at the same
-    cost; a GPT-flavour model's learned positions move, so it recomputes the window of the last
-    block_size tokens for every token (what decoding without a cache costs). compile: what repeats
-    per token, compiled (`compiled`): the one-token step, and the window's recomputation; the prompt
-    runs eagerly (one pass: compiling it would cost more than it saves)."""
+    cost; a GPT-flavour model's learned positions move, so it prefills the window of the last
+    block_size tokens again for every token (what decoding without a cache costs). compile: that
+    prefill and decode_one_token `compiled`; the prompt's prefill runs once, eagerly."""
     B, T = idx.size()
     if T == 0:
         raise ValueError("generate needs a prompt of at least one token")
     steps, solver = model.cfg.depth(steps, solver)
     L = cache_length(T + max_new_tokens, model.cfg.block_size)
     state = setup_caches(model, B, L, steps, solver)
-    device = idx.device
-    step, window = (compiled(decode_one_token, device.type), compiled(prefill, device.type)) \
-        if compile else (decode_one_token, prefill)
+    device, rope = idx.device, model.cfg.flavor == "llama"
+
+    def run(fn, x, input_pos):  # fn compiled with --compile
+        return (compiled(fn, device.type) if compile else fn)(model, x, input_pos, state)
     out = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=device)
     out[:, :T] = idx
-    pos = torch.full((1,), min(T, L), device=device)  # the position of the next token fed
-    rope = model.cfg.flavor == "llama"
-    if rope:  # the first L tokens at once, then one by one into the sliding window
-        logits = prefill(model, idx[:, :L], state)
-        for p in range(L, T):
-            logits = step(model, idx[:, p:p + 1].contiguous(), pos, state)
-            pos += 1  # on the device: no token waits for the host
-    else:
-        logits = prefill(model, idx[:, -L:], state)
-    for p in range(T, T + max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
-        out[:, p:p + 1] = token
+    window = torch.arange(L, device=device)  # the positions of a full window
+    # the first L tokens (RoPE: then the rest one by one into the sliding window), or the last L
+    logits = prefill(model, idx[:, :L] if rope else idx[:, -L:], window[:min(T, L)], state)
+    if not logits.amax(dim=-1).isfinite().all():  # one host synchronisation per generation
+        raise ValueError("its logits after the prompt are not finite (its weights overflow)")
+    first = min(T, L) if rope else T  # logits: the next token's, at position p
+    pos = torch.full((1,), first, device=device)  # the position of the next token fed
+    for p in range(first, T + max_new_tokens):  # a RoPE model's prompt past L is fed, not drawn
+        if p >= T:
+            out[:, p:p + 1] = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
         if p == T + max_new_tokens - 1:
             break
-        if rope or p < L:
-            logits = step(model, token, pos, state)
-            pos += 1
+        if rope or p < L:  # contiguous: a slice of out has out's row stride (see below)
+            logits = run(decode_one_token, out[:, p:p + 1].contiguous(), pos)
+            pos += 1  # on the device: no token waits for the host
         else:  # learned positions, context full: the window of the last L tokens, again, contiguous
-            # (a slice of out has out's row stride, T + max_new_tokens: a compiled window guards on
+            # (a slice of out has out's row stride, T + max_new_tokens: a compiled prefill guards on
             # it, and a generation of another length would compile it again, with dynamic shapes)
-            logits = window(model, out[:, p + 1 - L:p + 1].contiguous(), state)
+            logits = run(prefill, out[:, p + 1 - L:p + 1].contiguous(), window)
     return out
 
 
@@ -293,9 +285,16 @@ def main(argv):
     tok = prepare.get_tokenizer(ckpt["tokenizer"])
     ids = prepare.encode_prompt(prepare.read_prompt(cfg.start), tok, model.cfg.vocab_size,
                                 "--start")
+    n = len(ids) + cfg.max_new_tokens  # tokens per sample
+    need = decoding_gib(model.cfg, env.dtype, cfg.num_samples, n,
+                        cache_length(n, model.cfg.block_size), steps, solver)
+    if need > (have := device_memory_gib(env)):  # before any is allocated: the OOM killer is mute
+        raise UserError(f"--num_samples={cfg.num_samples} x {n} tokens need about {need:,.1f} GiB, "
+                        f"more than the {have:,.1f} GiB of {env.device}: ask for fewer (or fewer "
+                        f"--max_new_tokens)")
     x = torch.tensor(ids, dtype=torch.long, device=env.device).repeat(cfg.num_samples, 1)
     t0 = time.perf_counter()
-    with env.autocast():
+    with env.autocast(), as_user_error(f"{cfg.init_from}: "):
         y = generate(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, cfg.top_p,
                      steps, solver, cfg.compile)
     common.synchronize(env.device)  # a GPU (CUDA, MPS) may still be computing
@@ -304,8 +303,8 @@ def main(argv):
         print(tok.decode([i for i in row if i < tok.vocab_size]))  # padded vocabulary ids: no text
         print("---------------")
     print(f"{cfg.init_from}: {describe(model, steps, solver)}; {cfg.num_samples} x "
-          f"{cfg.max_new_tokens} "
-          f"tokens in {dt:.2f} s ({cfg.num_samples * cfg.max_new_tokens / dt:,.0f} tokens/s"
+          f"{cfg.max_new_tokens} tokens in {dt:.2f} s "
+          f"({cfg.num_samples * cfg.max_new_tokens / dt:,.0f} tokens/s"
           f"{', compile included' * cfg.compile})", file=sys.stderr)
 
 

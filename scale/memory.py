@@ -210,6 +210,15 @@ def device_memory_gib(env):
     return ram / int(os.environ.get("LOCAL_WORLD_SIZE", 1)) / 2 ** 30
 
 
+def decoding_gib(mcfg, dtype, B, n, L, steps, solver):
+    """About the memory sample.py's generation of B sequences of n tokens through KV caches of L
+    positions holds at once, in GiB: the tokens, the caches, one prefill's widest activations
+    (float32) and the sampling's copies of the logits."""
+    caches = evaluations(mcfg, steps, solver) * 2 * B * L * mcfg.n_embd * dtype.itemsize
+    widest = 4 * B * (L * max(3 * mcfg.n_embd, mcfg.ffn_dim, mcfg.n_head * L) + 4 * mcfg.vocab_size)
+    return (8 * B * n + caches + widest) / 2 ** 30
+
+
 def check(mcfg, cfg, env):
     """Refuse, before the model is built, a plan that does not fit in this machine's memory."""
     fitted = dataclasses.replace(cfg, gpu_memory_gb=device_memory_gib(env), gpus=env.world_size)

@@ -127,20 +127,20 @@ def test_jacobian_equals_central_differences_of_the_vector_field(model_type, fla
     T, D = 7, model.cfg.n_embd
     fields, _, _, _ = analyze.step_fields(model, model.cfg.n_layer, T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    for F_k, out in ((fields[0], 6), (fields[-1], 6), (fields[-1], 3)):  # out: the last or another position
-        y, J = analyze.jacobians(F_k, x, out)  # (T, D, D): dF[out] / dx[in]
+    for F_k, target in ((fields[0], 6), (fields[-1], 6), (fields[-1], 3)):  # the last or another position
+        y, J = analyze.jacobians(F_k, x, target)  # (T, D, D): dF[target] / dx[in]
         assert torch.allclose(y, F_k(x), rtol=0, atol=1e-14)
         eps = 1e-5
         dx = eps * torch.eye(T * D, dtype=x.dtype).view(T * D, T, D)  # one perturbation per input coordinate
         with sdpa_kernel(SDPBackend.MATH):
-            diff = torch.vmap(F_k)(x + dx)[:, out] - torch.vmap(F_k)(x - dx)[:, out]  # (T*D, D)
-        fd = (diff / (2 * eps)).view(T, D, D).transpose(1, 2)  # fd[in][i, j] = dF[out]_i / dx[in]_j
+            diff = torch.vmap(F_k)(x + dx)[:, target] - torch.vmap(F_k)(x - dx)[:, target]  # (T*D, D)
+        fd = (diff / (2 * eps)).view(T, D, D).transpose(1, 2)  # fd[in][i, j] = dF[target]_i / dx[in]_j
         assert (J - fd).abs().max() < 1e-7 * max(1.0, fd.abs().max().item())
-        assert J[:out].abs().max() > 1e-3  # the earlier positions really do act on the last one
+        assert J[:target].abs().max() > 1e-3  # the earlier positions really do act on the last one
 
 
 def linear_fields(A):
-    """F_k(X) with F_k(X)[out] = sum_in A[k, in] X[in] at the last position (zero elsewhere): J_k = A[k]."""
+    """F_k(X) with F_k(X)[target] = sum_in A[k, in] X[in] at the last position (zero elsewhere): J_k = A[k]."""
     def field(a):
         return lambda x: torch.cat((torch.zeros_like(x[:-1]), torch.einsum("tij,tj->i", a, x)[None]))
     return [field(a) for a in A]

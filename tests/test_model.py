@@ -430,7 +430,7 @@ def test_bad_configs_fail_at_construction(overrides, message):
         DiffEqFormer(tiny(**overrides))
 
 
-@pytest.mark.parametrize("steps", [0, -1, 2.5, 10 ** 6])
+@pytest.mark.parametrize("steps", [0, -1, 2.5, 10 ** 6, True])  # True: a bool, not 1 step
 def test_bad_step_counts_fail_clearly(steps):
     with pytest.raises(ValueError, match="steps=.* must be an integer in 1..1024"):
         DiffEqFormer(tiny())(tokens(), steps=steps)

@@ -1,6 +1,7 @@
 """Decoding with the KV cache (sample.generate) against recomputation, sampling filters, and sample.py."""
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_cached_logits_equal_recomputed_logits_at_every_position(model_type, fla
     n = 2 * BLOCK if flavor == "llama" else BLOCK
     idx = prompt(n)
     state = sample.setup_caches(model, 2, BLOCK, *model.cfg.depth(steps, solver))
-    logits = sample.prefill(model, idx[:, :4], state)
+    logits = sample.prefill(model, idx[:, :4], torch.arange(4), state)
     assert (logits - recomputed_logits(model, idx[:, :4], steps, solver)).abs().max() < 1e-10
     for p in range(4, n):
         logits = sample.decode_one_token(model, idx[:, p:p + 1], torch.tensor([p]), state)
@@ -111,19 +112,52 @@ def test_the_odes_weights_are_generated_once_per_generation():
 
 @pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
 def test_a_generation_refills_the_last_state_in_place_with_the_new_weights(model_type):
-    """The second generation of the same shapes reuses the first one's caches and weight tensors (their
+    """The second generation of the same key reuses the first one's caches and weight tensors (their
     addresses are what a CUDA graph reads) and copies the model's new weights into them: its tokens are
     those of the changed model, also where fewer positions than before are written."""
     model = random_model(model_type)
     generate(model, prompt(BLOCK - 4), 4, temperature=0)
-    addresses = [t.data_ptr() for t in sample.STATES[model].tensors()]
+    first = sample.setup_caches(model, 2, BLOCK, 3, "euler")  # generate's key: TINY's 3 layers or steps
+    addresses = [t.data_ptr() for t in first.tensors()]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
+    refilled = sample.setup_caches(model, 2, BLOCK, 3, "euler")
+    assert refilled is first and [t.data_ptr() for t in refilled.tensors()] == addresses
     out = generate(model, prompt(BLOCK - 4, seed=2), 4, temperature=0)
-    assert [t.data_ptr() for t in sample.STATES[model].tensors()] == addresses
     for t in range(BLOCK - 4, BLOCK):
         assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t]).argmax(-1)), t
+
+
+def test_a_generation_at_another_depth_gets_a_state_of_its_own():
+    """Each generation on one model decodes at its own steps and solver: none runs the last one's, which
+    has as many evaluations of F (4 euler, 1 rk4) or as many stages (rk4) as it."""
+    model = random_model()
+    for steps, solver in ((3, "euler"), (6, "rk4"), (4, "rk4"), (4, "euler"), (1, "rk4")):
+        out = generate(model, prompt(4), 8, temperature=0, steps=steps, solver=solver)
+        for t in range(4, 12):
+            assert torch.equal(out[:, t], recomputed_logits(model, out[:, :t], steps, solver).argmax(-1)), (steps, t)
+
+
+@pytest.mark.parametrize("flavor,T", [("gpt", 4), ("gpt", BLOCK + 3), ("llama", BLOCK + 3)])
+def test_a_generation_runs_one_forward_pass_per_token_fed(flavor, T):
+    """The prompt's prefill (its first block_size tokens), then one pass per token after it but the last
+    new one: a RoPE model's prompt past the context one token at a time, a GPT's window prefilled again."""
+    model, passes = random_model(flavor=flavor), []
+    model.register_forward_pre_hook(lambda *args: passes.append(1))
+    generate(model, prompt(T), 5, temperature=0)
+    assert len(passes) == 1 + (T - BLOCK if flavor == "llama" and T > BLOCK else 0) + 4
+
+
+def test_prefill_and_decode_one_token_take_the_shapes_they_say():
+    model = random_model()
+    state = sample.setup_caches(model, 2, 8, 3, "euler")
+    with pytest.raises(AssertionError, match="^a position per token$"):
+        sample.prefill(model, prompt(3), torch.arange(2), state)
+    with pytest.raises(AssertionError, match="^one token$"):
+        sample.decode_one_token(model, prompt(2), torch.arange(2), state)
+    with pytest.raises(AssertionError, match="^a slot per token$"):
+        state.caches[0].update(torch.arange(2), state.caches[0].k[:, :, :3], state.caches[0].v[:, :, :3])
 
 
 
@@ -154,7 +188,7 @@ def test_decoding_needs_caches_set_up_for_its_steps():
     with pytest.raises(ValueError, match="4 euler steps need 4 KV caches, got 3"):
         model(prompt(1, B=1), steps=4, context=state.context(torch.tensor([0])))
     with pytest.raises(ValueError, match="9 tokens do not fit KV caches of 8 positions"):
-        sample.prefill(model, prompt(9, B=1), state)
+        sample.prefill(model, prompt(9, B=1), torch.arange(9), state)
 
 
 @pytest.mark.parametrize("model_type,flavor,solver", [("diffeq", "llama", "euler"), ("diffeq", "gpt", "rk4"),
@@ -165,6 +199,7 @@ def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recomp
     and whole, a second generation included (the refilled state: the same addresses), one token longer
     (the same caches; the window is a slice of a longer output)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them
     model = random_model(model_type, flavor).float()
     steps, solver = (3, solver) if model.cfg.is_ode else (None, None)
     eager = generate(model, prompt(3), 2 * BLOCK + 1, temperature=0, steps=steps, solver=solver)
@@ -173,6 +208,9 @@ def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recomp
             fast = generate(model, prompt(3), n, temperature=0, steps=steps, solver=solver, compile=True)
             assert torch.equal(eager[:, :3 + n], fast)
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    # and something was compiled (no compilation has no graph break either): decode_one_token, and a
+    # GPT-flavour model's window prefill
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 + (flavor == "gpt")
 
 
 def test_the_caches_length_rounds_up_to_an_eighth_of_the_context():
@@ -181,6 +219,7 @@ def test_the_caches_length_rounds_up_to_an_eighth_of_the_context():
     assert [sample.cache_length(n, 1024) for n in (1, 128, 129, 272, 1000, 1024, 5000)] == \
         [128, 128, 256, 384, 1024, 1024, 1024]
     assert [sample.cache_length(n, BLOCK) for n in (5, 12, 40)] == [5, 12, 12]
+    assert [sample.cache_length(n, 5) for n in (1, 3, 5, 9)] == [1, 3, 5, 5]  # 5 // 8 = 0: one by one
     assert len({sample.cache_length(n, 1024) for n in range(1, 3000)}) == 8
 
 
@@ -191,6 +230,48 @@ def test_weight_sharing_casts_its_one_block_once():
         state = sample.setup_caches(model, 1, 8, 3, "midpoint")
     attn = {id(w["attn"][0]) for w in state.weights}
     assert len(state.weights) == 6 and len(attn) == 1 and state.weights[0]["attn"][0].dtype == torch.bfloat16
+
+
+class Casts(TorchDispatchMode):
+    """The shapes of the tensors cast (aten._to_copy) inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
+def test_under_autocast_no_token_casts_a_weight(model_type):
+    """A decoding step under bf16 autocast casts activations (B, 1, C) and an ODE's generated gains (C,),
+    never a weight (2-D): the block weights and the head were cast once, by setup_caches."""
+    model = random_model(model_type).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = sample.setup_caches(model, 2, 8, 3, "euler")
+        sample.prefill(model, prompt(3), torch.arange(3), state)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Casts() as casts:  # autocast's cache of casts: empty
+        sample.decode_one_token(model, prompt(1), torch.tensor([3]), state)
+    assert casts.shapes and all(len(shape) != 2 for shape in casts.shapes), casts.shapes
+
+
+@pytest.mark.parametrize("model_type", ["baseline", "shared", "diffeq"])
+def test_under_autocast_the_state_casts_the_linear_weights_and_the_head_only(model_type):
+    """The norms' gains and biases stay as step_weights makes them (the forward pass casts them to the
+    residual stream's float32): cast to bf16 first, they would round, and a logit would move."""
+    model = random_model(model_type).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = sample.setup_caches(model, 1, 8, 3, "euler")
+        made = model.step_weights(3, "euler")
+    assert state.head.dtype == torch.bfloat16
+    for w, m in zip(state.weights, made, strict=True):
+        for name, pair in w.items():
+            linear = name not in ("ln_1", "ln_2")
+            assert [t is None or t.dtype == (torch.bfloat16 if linear else m[name][0].dtype) for t in pair] == [True] * 2
+            assert linear or all(t is None or torch.equal(t, u) for t, u in zip(pair, m[name])), name
 
 
 def test_past_the_recompile_limit_a_new_shape_decodes_eagerly():
@@ -334,6 +415,67 @@ def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys)
         run_sample(capsys, save_model(tmp_path / "m.pt", byte_model("materialized")), "--solver=rk4")
 
 
+def test_the_compile_flag_reaches_the_decoding_steps(tmp_path, capsys, monkeypatch):
+    """--compile reaches generate: decode_one_token (and a GPT-flavour window's prefill past the context)
+    through `compiled`, here recorded and left eager (the compiled tests above compile for real)."""
+    asked = []
+    monkeypatch.setattr(sample, "compiled", lambda fn, device_type: asked.append(fn.__name__) or fn)
+    model = byte_model()
+    path = save_model(tmp_path / "ckpt.pt", model)
+    assert run_sample(capsys, path, "--start=ab", "--max_new_tokens=14", "--compile") == expected(model, "ab", 14)
+    assert set(asked) == {"decode_one_token", "prefill"}
+    asked.clear()
+    run_sample(capsys, path, "--start=ab", "--max_new_tokens=14")
+    assert asked == []
+
+
+def test_the_statistics_line_says_the_model_its_depth_and_the_speed(tmp_path, capsys, monkeypatch):
+    """stderr's one line, with a clock that reads 100 s, then 102.5 s: 2 x 5 tokens in 2.5 s, 4 tokens/s."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+    clock = iter([100.0, 102.5])
+    monkeypatch.setattr(sample, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(sample, "compiled", lambda fn, device_type: fn)
+    sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=2", "--max_new_tokens=5", "--steps=2",
+                 "--solver=rk4", "--compile"])
+    assert capsys.readouterr().err == f"{path}: diffeq (gpt), 2 rk4 steps; 2 x 5 tokens in 2.50 s (4 tokens/s, " \
+                                      "compile included)\n"
+
+
+def test_ids_past_the_tokenizers_vocabulary_print_no_text(tmp_path, capsys, monkeypatch):
+    """A padded vocabulary's ids (here 256 and 300 past the byte tokenizer's 256) are left out of the text."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+    monkeypatch.setattr(sample, "generate", lambda *args: torch.tensor([[97, 256, 98, 300, 255 - 156]]))
+    assert run_sample(capsys, path, "--start=a") == "abc"
+
+
+def test_the_seed_and_top_p_reach_the_sampling(tmp_path, capsys):
+    """At temperature 1, one seed gives one text and another seed another; --top_p=0.000001 keeps only the
+    likeliest token (its probability is above 1e-6), so that it samples the greedy text."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+
+    def text(*args):
+        sample.main([f"--init_from={path}", "--device=cpu", "--start=ab", "--max_new_tokens=12", *args])
+        return capsys.readouterr().out
+    assert text("--seed=1") == text("--seed=1") != text("--seed=2")
+    assert text("--temperature=1", "--top_p=0.000001", "--seed=3") == text("--temperature=0")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("num_samples", 0, "num_samples=0 must be at least 1"), ("max_new_tokens", 0, "max_new_tokens=0 must be at least 1"),
+    ("top_k", -1, "top_k=-1 must be at least 0"), ("max_new_tokens", sample.MAX_NEW_TOKENS + 1, "must be at most 1,000,000"),
+    ("temperature", -0.5, r"^temperature=-0.5 must be at least 0 \(0 is greedy\)$"), ("top_p", 0.0, r"^top_p=0.0 must be in"),
+    ("top_p", 1.5, r"^top_p=1.5 must be in \(0, 1\]$"), ("solver", "rk45", "^solver='rk45' is not one of euler, midpoint, rk4$"),
+])
+def test_the_sampling_config_refuses_what_it_cannot_run(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        sample.SampleConfig(**{key: value})
+
+
+def test_the_sampling_config_takes_its_bounds():
+    sample.SampleConfig(num_samples=1, max_new_tokens=1, top_k=0, temperature=0.0, top_p=1.0)
+    sample.SampleConfig(max_new_tokens=sample.MAX_NEW_TOKENS)
+
+
 def test_top_k_0_samples_among_every_token(tmp_path, capsys):
     """--top_k=0 (the documented "0: all of them") at a temperature above 0 draws what top_k equal
     to the whole byte vocabulary draws from the same seed (not an IndexError), and not what
@@ -360,7 +502,7 @@ def test_prompt_from_a_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tokenizer,vocab,start,message", [
-    ("byte", 96, "", "the prompt is empty"),
+    ("byte", 96, "", "the prompt is empty: give --start some text"),
     ("byte", 128, "caf\u00e9", r"'\u00e9' \(UTF-8 bytes \[195, 169\]\) is outside its vocabulary of 128 ids \(2 such tokens"),
     ("gpt2", 1024, " the hello", r"' hello' \(token id 23748\) is outside its vocabulary of 1024 ids \(1 such token"),
 ])
@@ -369,6 +511,29 @@ def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, token
     path = save_model(tmp_path / "ckpt.pt", random_model(vocab_size=vocab), tokenizer=tokenizer)
     with pytest.raises(UserError, match=message):
         run_sample(capsys, path, f"--start={start}")
+
+
+def test_more_samples_than_memory_holds_are_refused_before_any_is_allocated(tmp_path, capsys, monkeypatch):
+    """10 million samples of the default 500 tokens: 40 GB of token ids alone, past a machine of 64 GiB (the
+    OOM killer, or a failed allocation, without a word); a plan that fits decodes."""
+    path = save_model(tmp_path / "ckpt.pt", byte_model())
+    monkeypatch.setattr(sample, "device_memory_gib", lambda env: 64.0)
+    with pytest.raises(UserError, match=r"^--num_samples=10000000 x 501 tokens need about [\d,.]+ GiB, more than "
+                                        r"the 64.0 GiB of cpu: ask for fewer \(or fewer --max_new_tokens\)$"):
+        sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=10000000", "--start=a"])
+    assert run_sample(capsys, path, "--start=ab", "--max_new_tokens=6") == expected(byte_model(), "ab", 6)
+
+
+def test_logits_that_overflow_are_one_line(tmp_path, capsys):
+    """Finite weights whose logits overflow to inf (a gain of 3e38 before the head): one line, not
+    torch.multinomial's "probability tensor contains either inf, nan or element < 0"."""
+    model = byte_model()
+    with torch.no_grad():
+        model.ln_f.weight.fill_(3e38)
+    path = save_model(tmp_path / "ckpt.pt", model)
+    for temperature in ("0", "1"):
+        with pytest.raises(UserError, match=r"ckpt.pt: its logits after the prompt are not finite \(its weights overflow\)$"):
+            sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=1", f"--temperature={temperature}"])
 
 
 def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
