@@ -47,11 +47,14 @@ class DiffEqFormerCache(DynamicCache):
 
 
 class Evaluation(NamedTuple):
-    """Layer j of a transformers Cache, as model.py's attention writes into it (Context.kv)."""
+    """Layer j of a transformers Cache, as model.py's attention writes into it (Context.caches)."""
     cache: Cache
     j: int
 
-    def update(self, slots, k, v):  # k, v (B, nh, T, hs) go after the cached keys and values
+    def update(self, slots, k, v):
+        """Write k, v (B, nh, T, hs) into slots (T,), the positions after the cached ones (a
+        DynamicCache appends); return every key and value held."""
+        assert slots.shape == k.shape[2:3], "a slot per token"
         return self.cache.update(k, v, self.j)
 
 
@@ -199,7 +202,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         block_size of them (a sliding window), at most block_size new tokens per pass (model.py's
         bound on tokens fed through caches)."""
         L, T, device = self.model.cfg.block_size, input_ids.size(1), input_ids.device
-        kv = [Evaluation(cache, j) for j in range(len(weights))]
+        caches = [Evaluation(cache, j) for j in range(len(weights))]
         past, logits = cache.get_seq_length(), []
         for start in range(0, T, L):
             end = past + min(start + L, T)
@@ -210,7 +213,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             seen |= k == q[:, None]  # a pad before every real token sees itself: an attention
             # kernel may give NaN for a row that sees nothing, and 0 x NaN reaches the real tokens
             pos = (count[:, q] - 1).clamp(min=0)  # (B, t): real tokens before each
-            context = Context(pos, seen[:, None], kv)  # seen[:, None]: the mask of every head
+            context = Context(pos, seen[:, None], caches, q)  # seen[:, None]: every head's mask
             logits.append(self.run(input_ids[:, start:start + L], weights, context))
         return torch.cat(logits, dim=1)
 
