@@ -525,11 +525,13 @@ def test_more_samples_than_memory_holds_are_refused_before_any_is_allocated(tmp_
 
 
 def test_logits_that_overflow_are_one_line(tmp_path, capsys):
-    """Finite weights whose logits overflow to inf (a gain of 3e38 before the head): one line, not
-    torch.multinomial's "probability tensor contains either inf, nan or element < 0"."""
+    """Finite weights whose logits overflow (a gain of 1e33 before a head 1e10 x its own size: each
+    tensor adds up within float32, as the load check asks): one line, not torch.multinomial's
+    "probability tensor contains either inf, nan or element < 0"."""
     model = byte_model()
     with torch.no_grad():
-        model.ln_f.weight.fill_(3e38)
+        model.ln_f.weight.fill_(1e33)
+        model.wte.weight.mul_(1e10)
     path = save_model(tmp_path / "ckpt.pt", model)
     for temperature in ("0", "1"):
         with pytest.raises(UserError, match=r"ckpt.pt: its logits after the prompt are not finite \(its weights overflow\)$"):
