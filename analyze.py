@@ -33,6 +33,7 @@ MLP (theirs bypass it) and the eigenvalues stay complex (theirs drop the imagina
 import os
 from dataclasses import dataclass
 
+from configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,6 @@ from tqdm import tqdm
 import checkpoints
 import plots
 import prepare
-from configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"

@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from configurator import ConfigError, UserError, parse_config, run_main
 import torch
 
 import checkpoints
@@ -27,7 +28,6 @@ import common
 import lora
 import runlog
 import train
-from configurator import ConfigError, UserError, parse_config, run_main
 from model import ModelConfig, check_step_count
 from scale import resume
 

@@ -23,11 +23,11 @@ import os
 import socket
 import urllib.parse
 
+from configurator import UserError, make_dir, parse_config, run_main, written
 import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from configurator import UserError, make_dir, parse_config, run_main, written
 
 SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
