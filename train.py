@@ -108,7 +108,7 @@ class TrainConfig:
         for name, (low, high) in ranges.items():
             if not low <= getattr(self, name) <= high:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [{low}, {high}]")
-        for name in ("weight_decay", "grad_clip", "stop_at", "gpus"):  # 0 allowed
+        for name in ("weight_decay", "grad_clip", "stop_at", "gpus", "peak_flops"):  # 0 allowed
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must not be negative")
         if self.learning_rate <= 0 or self.eps <= 0:
@@ -343,6 +343,8 @@ def model_config_for(mcfg, cfg, env, given, data, start=None):
 
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
+    if "tokenizer_vocab" in given:  # model_config_for sets it from the data's tokenizer
+        raise ConfigError("--tokenizer_vocab is the data's, which the run sets: leave it out")
     if cfg.tokenizer == "byte" and "vocab_size" not in given:  # known before any data is read
         mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})
     if cfg.dry_run:  # a tiktoken model plans with GPT-2's vocabulary (the default)
