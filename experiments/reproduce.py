@@ -116,6 +116,7 @@ class Job:
     cost: float = 1.0  # relative running time: the longest ready job starts first
     stage: int = 0  # ready jobs of a lower stage start before any of a higher one
     meta: dict = None  # what a Ledger records beside the job's results
+    prepare: object = None  # called just before the job starts (seeds.py: its initial weights)
 
 
 def final_val_loss(run_dir):
@@ -264,6 +265,8 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
                         shutil.rmtree(path)
                     elif os.path.exists(path):
                         os.remove(path)
+                if job.prepare:
+                    job.prepare()
                 log = open(os.path.join(folder, "stdout.log"), "w")
                 proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running[job.name] = (folder, argv, proc, log, time.time())
