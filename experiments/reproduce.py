@@ -49,7 +49,7 @@ import checkpoints
 import prepare
 import runlog
 import train
-from configurator import UserError, parse_config, run_main
+from configurator import UserError, make_dir, parse_config, run_main
 from model import DiffEqFormer, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the jobs run there
@@ -847,6 +847,7 @@ def run_budget(cfg, out):
 
 def main(argv):
     cfg, _ = parse_config(argv, ReproduceConfig)
+    make_dir(cfg.runs, "runs")  # a file in the way, or a read-only folder: one line, before any work
     paper, budget = cfg.only in ("", "paper"), cfg.only in ("", "budget")
     datasets = ("shakespeare", "wikitext2_test") if paper else ()
     datasets += (BUDGET_DATASET,) if budget else ()
