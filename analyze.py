@@ -369,9 +369,10 @@ def main(argv):
             tok = prepare.get_tokenizer(ckpt["tokenizer"])
             ids = prepare.encode_prompt(prepare.read_prompt(acfg.prompt), tok, mcfg.vocab_size,
                                         "--prompt")
-            if len(ids) > mcfg.block_size:
+            if len(ids) > mcfg.block_size and "prompt" in given:
                 raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context "
                                 f"of {mcfg.block_size}: shorten it")
+            ids = ids[-mcfg.block_size:]  # the default prompt: as much of its end as fits
     make_dir(acfg.out, "out")  # a file in the way, or a read-only folder: one line, before the work
     if acfg.cluster:
         cluster(ccfg, acfg.out)
