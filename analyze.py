@@ -33,6 +33,7 @@ MLP (theirs bypass it) and the eigenvalues stay complex (theirs drop the imagina
 import os
 from dataclasses import dataclass
 
+from configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,6 @@ from tqdm import tqdm
 import checkpoints
 import plots
 import prepare
-from configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
@@ -369,9 +369,10 @@ def main(argv):
             tok = prepare.get_tokenizer(ckpt["tokenizer"])
             ids = prepare.encode_prompt(prepare.read_prompt(acfg.prompt), tok, mcfg.vocab_size,
                                         "--prompt")
-            if len(ids) > mcfg.block_size:
+            if len(ids) > mcfg.block_size and "prompt" in given:
                 raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context "
                                 f"of {mcfg.block_size}: shorten it")
+            ids = ids[-mcfg.block_size:]  # the default prompt: as much of its end as fits
     make_dir(acfg.out, "out")  # a file in the way, or a read-only folder: one line, before the work
     if acfg.cluster:
         cluster(ccfg, acfg.out)

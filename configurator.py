@@ -148,10 +148,13 @@ def coerce(key, value, annotation):
         raise ConfigError(f"--{key} expects {annotation.__name__}, got {value!r}")
     if annotation is float and not math.isfinite(value):
         raise ConfigError(f"--{key} must be a finite number, got {value!r}")
+    if key == "seed" and not 0 <= value < SEEDS:  # one rule for every script's --seed
+        raise ConfigError(f"--seed={value} must be a whole number in 0..{SEEDS - 1}")
     return value
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository: config/ lives here
+SEEDS = 2 ** 32  # --seed: numpy's RNGs take no negative seed, torch.manual_seed none past 2^64
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
               "0": False, "false": False, "no": False, "off": False}
 
@@ -299,6 +302,19 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return (*instances, given)
+
+
+def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
+    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main's handler
+    (while a script imports torch, seconds under load) is one line, not a traceback; Python then
+    ends the process by SIGINT (status 130 in a shell), as after any Ctrl-C."""
+    if not issubclass(kind, KeyboardInterrupt):
+        print_traceback(kind, value, traceback)
+    elif int(os.environ.get("RANK", 0)) == 0:
+        print("stopped by Ctrl-C", file=sys.stderr)
+
+
+sys.excepthook = say_ctrl_c  # every script imports this module first, before numpy and torch
 
 
 def run_main(main):

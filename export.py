@@ -30,10 +30,10 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from configurator import UserError, make_dir, parse_config, run_main
 import checkpoints
 import common
 import hf
-from configurator import UserError, make_dir, parse_config, run_main
 
 FORMATS = ("diffeqformer", "hf")
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from configurator import ConfigError, UserError, parse_config, run_main
 import torch
 
 import checkpoints
@@ -27,7 +28,6 @@ import common
 import lora
 import runlog
 import train
-from configurator import ConfigError, UserError, parse_config, run_main
 from model import ModelConfig, check_step_count
 from scale import resume
 
@@ -48,8 +48,9 @@ class FinetuneConfig:
     def __post_init__(self):
         if self.steps:  # 0: the pretraining count
             check_step_count(self.steps)
-        if self.lora_rank < 1:
-            raise ValueError(f"lora_rank={self.lora_rank} must be at least 1")
+        if self.lora_rank < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"need --lora_rank >= 1, --lora_alpha > 0 and 0 <= --lora_dropout < 1"
+                             f", got {self.lora_rank}, {self.lora_alpha}, {self.lora_dropout}")
 
 
 RUNTIME_KEYS = ("dropout", "checkpoint")  # what fine-tuning may set; the shape is the checkpoint's
@@ -146,11 +147,11 @@ def main(argv):
             raise UserError(f"--tokenizer={cfg.tokenizer} differs from the checkpoint's tokenizer "
                             f"({tokenizer})")
         cfg = train.TrainConfig(**{**asdict(cfg), "tokenizer": tokenizer})
-        data = common.prepare_data(cfg, env)
-        if fcfg.lora:
+        if fcfg.lora:  # before the data: a rank the model's widths refuse is one line first
             torch.manual_seed(cfg.seed)  # LoRA's A: a function of the seed alone, as the init
             lora.add_lora(model, fcfg.lora_rank, fcfg.lora_alpha, fcfg.lora_dropout,
                           fcfg.lora_targets)
+        data = common.prepare_data(cfg, env)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         env.print(f"fine-tuning {base_path} as a {steps}-layer transformer "

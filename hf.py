@@ -11,10 +11,10 @@ extra (requirements-eval.txt), imported only inside the functions that need it.
 import os
 import sys
 
+from configurator import UserError
 import torch
 
 import prepare
-from configurator import UserError
 from model import EPS, ModelConfig
 
 # -- the name map: ours <-> transformers' --------------------------------------------------------

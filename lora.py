@@ -55,9 +55,13 @@ def lora_targets(model, targets):
 
 def add_lora(model, rank=8, alpha=16.0, dropout=0.0, targets="all"):
     """Freeze the model and put LoRA on every target linear of every layer."""
+    linears = lora_targets(model, targets)
+    most = min(min(m.in_features, m.out_features) for m in linears.values())
+    if rank > most:  # B A of a higher rank than W's own: adapters larger than the model, no gain
+        raise UserError(f"lora_rank={rank} must be in 1..{most}, the narrowest side of its weights")
     for p in model.parameters():
         p.requires_grad_(False)
-    for m in lora_targets(model, targets).values():
+    for m in linears.values():
         lora = LoRA(m.out_features, m.in_features, rank, alpha, dropout)
         parametrize.register_parametrization(m, "weight", lora.to(m.weight.device))
     return model

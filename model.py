@@ -42,7 +42,7 @@ RESIDUAL_PROJECTIONS = ("proj", "fc2", "down")  # the layers that write into the
 class ModelConfig:
     model_type: str = "diffeq"  # one of MODEL_TYPES (table above)
     flavor: str = "gpt"  # "gpt" or "llama"
-    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64
+    vocab_size: int = 50304  # GPT-2's 50257 padded to 64s; train.py: its tokenizer's (bytes: 256)
     tokenizer_vocab: int = 0  # the tokenizer's own vocabulary; logits past it are -inf (0: none)
     block_size: int = 1024  # longest sequence
     n_layer: int = 12  # solver steps of the ODE models (default of each call), layers of the others
@@ -72,9 +72,9 @@ class ModelConfig:
             problems.append(f"RoPE needs an even head size, got {self.n_embd // self.n_head}")
         if self.n_layer > MAX_STEPS:
             problems.append(f"n_layer={self.n_layer} must be in 1..{MAX_STEPS}")
-        if self.tokenizer_vocab > self.vocab_size:
-            problems.append(f"tokenizer_vocab={self.tokenizer_vocab} is more than "
-                            f"vocab_size={self.vocab_size}")
+        if not 0 <= self.tokenizer_vocab <= self.vocab_size:
+            problems.append(f"tokenizer_vocab={self.tokenizer_vocab} must be in "
+                            f"0..vocab_size={self.vocab_size}")
         if self.time_scale <= 0:
             problems.append(f"time_scale={self.time_scale} must be positive")
         if not 0.0 <= self.dropout < 1.0:

@@ -23,11 +23,11 @@ import os
 import socket
 import urllib.parse
 
+from configurator import UserError, make_dir, parse_config, run_main, written
 import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from configurator import UserError, make_dir, parse_config, run_main, written
 
 SHIPPED_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -97,19 +97,27 @@ def get_tokenizer(name, choosable=False):
 
 
 def read_prompt(start):
-    """A prompt's text: `start` itself, or the contents of the file that FILE:path names
-    (sample.py's --start, analyze.py's --prompt)."""
-    if start.startswith("FILE:"):
-        path = start[len("FILE:"):]
-        if os.path.isdir(path):
-            raise UserError(f"prompt file {path} is a folder: name a text file in it")
-        if not os.path.isfile(path):
-            raise UserError(f"prompt file {path} does not exist")
-        try:
-            with open(path, encoding="utf-8") as f:
-                start = f.read()
-        except UnicodeDecodeError:
-            raise UserError(f"prompt file {path} is not UTF-8 text") from None
+    """A prompt's text: `start` itself, or what the file that FILE:path names holds (sample.py's
+    --start, analyze.py's --prompt): any readable file, a pipe such as /dev/stdin too. A UTF-8
+    byte-order mark at its start (Windows' Notepad writes one) is no part of the text."""
+    if not start.startswith("FILE:"):
+        return start
+    path = start[len("FILE:"):]
+    if not path:
+        raise UserError("FILE: names no file: write FILE:path, the file that holds the prompt")
+    if os.path.isdir(path):
+        raise UserError(f"prompt file {path} is a folder: name a text file in it")
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is read and dropped
+            start = f.read()
+    except FileNotFoundError:
+        raise UserError(f"prompt file {path} does not exist") from None
+    except OSError as e:
+        raise UserError(f"prompt file {path} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"prompt file {path} is not UTF-8 text") from None
+    if not start:
+        raise UserError(f"prompt file {path} is empty: write the prompt into it")
     return start
 
 

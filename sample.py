@@ -20,6 +20,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+from configurator import UserError, as_user_error, parse_config, run_main
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,7 +28,6 @@ import torch.nn.functional as F
 import checkpoints
 import common
 import prepare
-from configurator import UserError, as_user_error, parse_config, run_main
 from model import (SOLVERS, Context, block_shapes, check_step_count, evaluations,
                    sliding_window_mask)
 from scale.memory import decoding_gib, device_memory_gib

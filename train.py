@@ -24,6 +24,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from configurator import (ConfigError, Interrupted, UserError, as_user_error, int_range,
+                          parse_config, run_main)  # first: a Ctrl-C while torch imports
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -32,8 +34,6 @@ import checkpoints
 import common
 import prepare
 import runlog
-from configurator import (ConfigError, Interrupted, UserError, as_user_error, int_range,
-                          parse_config, run_main)
 from model import MAX_STEPS, DiffEqFormer, ModelConfig
 from scale import memory, parallel, resume
 from scale.weightgen import WeightGenerator
@@ -108,7 +108,7 @@ class TrainConfig:
         for name, (low, high) in ranges.items():
             if not low <= getattr(self, name) <= high:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [{low}, {high}]")
-        for name in ("seed", "weight_decay", "grad_clip", "stop_at", "gpus"):  # 0 allowed
+        for name in ("weight_decay", "grad_clip", "stop_at", "gpus", "peak_flops"):  # 0 allowed
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must not be negative")
         if self.learning_rate <= 0 or self.eps <= 0:
@@ -343,6 +343,8 @@ def model_config_for(mcfg, cfg, env, given, data, start=None):
 
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
+    if "tokenizer_vocab" in given:  # model_config_for sets it from the data's tokenizer
+        raise ConfigError("--tokenizer_vocab is the data's, which the run sets: leave it out")
     if cfg.tokenizer == "byte" and "vocab_size" not in given:  # known before any data is read
         mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})
     if cfg.dry_run:  # a tiktoken model plans with GPT-2's vocabulary (the default)

@@ -49,7 +49,7 @@ import checkpoints
 import prepare
 import runlog
 import train
-from configurator import UserError, parse_config, run_main
+from configurator import UserError, make_dir, parse_config, run_main
 from model import DiffEqFormer, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the jobs run there
@@ -116,6 +116,7 @@ class Job:
     cost: float = 1.0  # relative running time: the longest ready job starts first
     stage: int = 0  # ready jobs of a lower stage start before any of a higher one
     meta: dict = None  # what a Ledger records beside the job's results
+    prepare: object = None  # called just before the job starts (seeds.py: its initial weights)
 
 
 def final_val_loss(run_dir):
@@ -264,6 +265,8 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
                         shutil.rmtree(path)
                     elif os.path.exists(path):
                         os.remove(path)
+                if job.prepare:
+                    job.prepare()
                 log = open(os.path.join(folder, "stdout.log"), "w")
                 proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running[job.name] = (folder, argv, proc, log, time.time())
@@ -844,6 +847,7 @@ def run_budget(cfg, out):
 
 def main(argv):
     cfg, _ = parse_config(argv, ReproduceConfig)
+    make_dir(cfg.runs, "runs")  # a file in the way, or a read-only folder: one line, before any work
     paper, budget = cfg.only in ("", "paper"), cfg.only in ("", "budget")
     datasets = ("shakespeare", "wikitext2_test") if paper else ()
     datasets += (BUDGET_DATASET,) if budget else ()

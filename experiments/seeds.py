@@ -12,13 +12,16 @@ samples of it: this measures how much the default run's result depends on the dr
 (seed, draw) starts `python train.py --seed=S` (config/shakespeare.py, 1000 iterations) from the
 weights of that draw (`--init_from=` a file written here), with the training code of this commit.
 Jobs run two at a time with one thread each, as in experiments/reproduce.py, and a finished one is
-skipped when the script runs again. The record, --out (JSON, results/seeds.json), grows: each
-finished run is added to what it holds (a run of the same seed and draw replaces its entry), and a
-run that failed or was not asked for leaves its entry as it was. The table of the whole record goes
-to stdout.
+skipped when the script runs again. A job writes its initial weights (~14 MB) as it starts, and
+the script says what the runs will take before the first one. The record, --out (JSON,
+results/seeds.json), checked before the first job, grows: each finished run is added to what it
+holds (a run of the same seed and draw replaces its entry), and a run that failed or was not asked
+for leaves its entry as it was. The table of the whole record goes to stdout.
 """
+import functools
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,12 +29,14 @@ import torch
 
 import checkpoints
 import train
-from configurator import int_range, make_dir, parse_config, run_main, written
+from configurator import UserError, int_range, make_dir, parse_config, run_main, written
 from experiments.reproduce import ROOT, Job, final_val_loss, run
 from model import DiffEqFormer, ModelConfig
 
 DRAWS = {1: "this commit: seeded again before the build", 2: "76c5ab8 (before the redesign)",
          3: "ccd4bd4 (the redesign)"}
+MAX_RUNS = 10_000  # seeds x draws: ~2 weeks on 2 cores, 140 GB of initial weights
+MINUTES = 50 / 24  # one run's share of the default 24 runs' ~50 min on 2 cores
 
 
 @dataclass
@@ -44,7 +49,7 @@ class SeedsConfig:
     data_root: str = "data"
 
     def __post_init__(self):
-        int_range(self.seeds, "seeds", 2 ** 31)  # a ValueError: one line, before any work
+        lo, hi = int_range(self.seeds, "seeds", 2 ** 31)  # a ValueError: one line, before any work
         draws = self.draws.split(",")
         if not all(d.strip() in map(str, DRAWS) for d in draws) or len(set(draws)) < len(draws):
             which = "; ".join(f"{d}: {what}" for d, what in DRAWS.items())
@@ -52,11 +57,17 @@ class SeedsConfig:
                              f"apart by commas ({which})")
         if self.jobs < 1:
             raise ValueError(f"jobs={self.jobs} must be at least 1")
+        runs = (hi - lo + 1) * len(draws)
+        if runs > MAX_RUNS:
+            raise ValueError(f"seeds={self.seeds} x draws={self.draws} is {runs:,} runs, more "
+                             f"than {MAX_RUNS:,} (~2 weeks on 2 cores): choose a shorter range")
 
 
 def initial_weights(seed, draw, path):
     """The checkpoint of the default model built from the `draw`-th draw of the RNG after
     torch.manual_seed(seed), as train.py (draw 1), 76c5ab8 (2) and ccd4bd4 (3) build it."""
+    if os.path.isfile(path):  # an earlier attempt's: the same weights
+        return
     mcfg, _, _ = parse_config([train.DEFAULT_CONFIG], ModelConfig, train.TrainConfig)
     mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})  # bytes, as train.main sets it
     torch.manual_seed(seed)
@@ -67,14 +78,30 @@ def initial_weights(seed, draw, path):
                      tokenizer="byte"), path)
 
 
-def record(cfg, seeds, draws):
-    """The record --out holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}} (JSON's string
-    keys), with the finished runs of these seeds and draws added to it: the validation loss at the
-    end and at iteration 0, and the last evaluation's train loss."""
-    out = {}
-    if os.path.isfile(cfg.out):
-        with open(cfg.out) as f:
+def read_record(path):
+    """The record a file holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}} (JSON's string
+    keys), {} where there is none; a file that is not such a record (text, half a JSON, a list,
+    other keys) is one UserError, before the first job."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
             out = json.load(f)
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        out = None
+    keys = {"val_loss", "train_loss", "val_loss_0"}
+    if not (isinstance(out, dict) and all(
+            d in map(str, DRAWS) and isinstance(runs, dict) and all(
+                isinstance(run, dict) and keys <= set(run) for run in runs.values())
+            for d, runs in out.items())):
+        raise UserError(f"--out={path} is not a record of this script ({{draw: {{seed: "
+                        f"{{{', '.join(sorted(keys))}}}}}}} in JSON): name another --out")
+    return out
+
+
+def record(cfg, seeds, draws, out):
+    """The record `out` (what --out held) with the finished runs of these seeds and draws added to
+    it: the validation loss at the end and at iteration 0, and the last evaluation's train loss."""
     for draw in draws:
         for seed in seeds:
             folder = os.path.join(cfg.runs, f"seed{seed}-draw{draw}")
@@ -114,18 +141,20 @@ def main(argv):
     seeds, draws = range(lo, hi + 1), [int(d) for d in cfg.draws.split(",")]
     make_dir(cfg.runs, "runs")  # read-only, or a file in the way: one line, before any work
     make_dir(os.path.dirname(cfg.out), "out")
+    held = read_record(cfg.out)
     jobs = []
     for seed in seeds:
         for draw in draws:
             name = f"seed{seed}-draw{draw}"
             init = os.path.join(cfg.runs, name, "init.pt")
-            if not os.path.isfile(init):
-                initial_weights(seed, draw, init)
             jobs.append(Job(name, ["train.py", f"--seed={seed}", f"--init_from={init}",
                                    f"--out_dir={os.path.join(cfg.runs, name)}",
-                                   f"--data_root={cfg.data_root}"]))
+                                   f"--data_root={cfg.data_root}"],
+                            prepare=functools.partial(initial_weights, seed, draw, init)))
+    print(f"{len(jobs)} runs (finished ones are skipped): ~{len(jobs) * MINUTES:.0f} min on 2 "
+          f"cores, ~{len(jobs) * 14} MB of initial weights in {cfg.runs}", file=sys.stderr)
     failed = run(jobs, cfg.jobs, lambda done: {}, cfg.runs)
-    results = record(cfg, seeds, draws)
+    results = record(cfg, seeds, draws, held)
     print(table(results))
     with written(cfg.out) as tmp, open(tmp, "w") as f:  # a kill never leaves half a record
         json.dump(results, f, indent=1)

@@ -332,3 +332,15 @@ def test_the_script_prints_one_error_line(tmp_path, monkeypatch, capsys):
         run_main(analyze.main)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: checkpoint")
+
+
+def test_the_default_prompt_fits_a_short_context(tiny_checkpoint, tmp_path, capsys):
+    """--lyapunov without --prompt on a context of 48 said "the prompt is 91 tokens ... shorten
+    it" of a prompt the user never gave: the default is cut to its last 48 tokens; a prompt the
+    user gives is never cut."""
+    analyze.main(["--lyapunov", f"--init_from={tiny_checkpoint}", f"--out={tmp_path}", "--steps=2"])
+    tokens = np.load(tmp_path / "lyapunov.npz")["tokens"]  # byte ids
+    assert bytes(tokens.tolist()) == analyze.DEFAULT_PROMPT.encode()[-48:]
+    with pytest.raises(UserError, match="the prompt is 91 tokens, longer than the model's context"):
+        analyze.main(["--lyapunov", f"--init_from={tiny_checkpoint}", f"--out={tmp_path}",
+                      f"--prompt={analyze.DEFAULT_PROMPT}"])

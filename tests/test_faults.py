@@ -273,7 +273,7 @@ def test_a_binary_prompt_file_is_one_line(tmp_path, capsys, monkeypatch):
 # -- faults of a fault run on ccd4bd4 (issue 33): one line each ---------------------------------------
 
 @pytest.mark.parametrize("argv,message", [
-    (["--seed=-1"], "error: seed=-1 must not be negative"),
+    (["--seed=-1"], "error: --seed=-1 must be a whole number in 0..4294967295"),
     (["--warmup_frac=2"], "error: warmup_frac=2.0 must be in [0, 1]"),
     (["config/"], "error: config/ is a folder, not a config file: name one of its files"),
 ])

@@ -472,3 +472,13 @@ def test_the_committed_budget_section_is_drawn_from_its_json():
     for name, row in r["budget"]["runs"].items():
         budget = r["budget"]["jobs"][name]["budget"]
         assert int(option(row["argv"], "max_iters")) == row["budget"] == budget
+
+
+def test_a_runs_that_is_a_file_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """--runs=<a file> was a NotADirectoryError (experiments.seeds refused it in one line)."""
+    from test_faults import one_line
+    (tmp_path / "runs").write_text("not a folder")
+    monkeypatch.setattr(reproduce.prepare, "prepare", lambda *a, **k: pytest.fail("work began"))
+    line = one_line(reproduce.main, ["--quick", f"--runs={tmp_path / 'runs'}"], capsys, monkeypatch)
+    assert line == (f"error: cannot write into --runs={tmp_path / 'runs'}: it is a file, not a "
+                    f"folder; choose another --runs")

@@ -6,7 +6,9 @@ import os
 
 import pytest
 
+from conftest import ROOT
 from experiments import seeds
+from experiments.reproduce import Job, run
 from test_faults import one_line
 from test_reproduce import write_log
 
@@ -78,3 +80,86 @@ def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, m
                     capsys, monkeypatch)
     assert line == f"error: cannot write into --runs={tmp_path / 'runs'}: Read-only file system; " \
                    f"choose another --runs"
+
+
+@pytest.mark.parametrize("held", ["a text file\n", '{"1": {"1337": {"val_lo', "[1, 2]",
+                                  '{"loss": 1.9}', '{"1": {"1337": {"val_loss": 1.9}}}'])
+def test_an_out_that_is_not_a_record_is_one_line_before_the_first_job(held, tmp_path, capsys,
+                                                                       monkeypatch):
+    """Text, half a JSON, a list, other keys: a traceback after every job had run (~50 min)."""
+    (tmp_path / "s.json").write_text(held)
+    for work in ("initial_weights", "run"):
+        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    line = one_line(seeds.main, [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"],
+                    capsys, monkeypatch)
+    assert line.startswith(f"error: --out={tmp_path / 's.json'} is not a record of this script")
+    assert line.endswith("name another --out") and (tmp_path / "s.json").read_text() == held
+
+
+def test_each_job_writes_its_initial_weights_as_it_starts(tmp_path, monkeypatch, capsys):
+    """--seeds=1-400 --draws=1,2,3 wrote 1,200 files (16 GB) before the first job; now each job
+    writes its own as run() starts it, and the script first says what the runs will take."""
+    runs, started = tmp_path / "runs", []
+    monkeypatch.setattr(seeds, "initial_weights", lambda seed, draw, path: open(path, "w").close())
+
+    def run(jobs, *args):
+        for job in jobs:
+            assert not any(runs.glob("*/init.pt")) or started  # nothing written before a start
+            os.makedirs(runs / job.name)
+            job.prepare()
+            started.append(sorted(p.parent.name for p in runs.glob("*/init.pt")))
+        return []
+    monkeypatch.setattr(seeds, "run", run)
+    seeds.main(["--seeds=7-8", "--draws=1,3", f"--runs={runs}", f"--out={tmp_path / 's.json'}"])
+    assert started == [["seed7-draw1"], ["seed7-draw1", "seed7-draw3"],
+                       ["seed7-draw1", "seed7-draw3", "seed8-draw1"],
+                       ["seed7-draw1", "seed7-draw3", "seed8-draw1", "seed8-draw3"]]
+    assert f"4 runs (finished ones are skipped): ~8 min on 2 cores, ~56 MB of initial weights" \
+           in capsys.readouterr().err
+
+
+def test_a_job_is_prepared_just_before_it_starts(tmp_path):
+    """reproduce.run calls a job's `prepare` as it starts the job, not before."""
+    flag = tmp_path / "prepared"
+    job = Job("a", ["-c", f"import os, sys; sys.exit(0 if os.path.exists({str(flag)!r}) else 1)"],
+              prepare=flag.touch)
+    assert run([job], 1, lambda done: {}, str(tmp_path / "runs")) == []
+
+
+def test_a_range_of_too_many_runs_is_one_line(tmp_path, capsys, monkeypatch):
+    """Ranges up to 2^31 seeds were accepted, building 2^31 jobs' files first."""
+    line = one_line(seeds.main, ["--seeds=1-4000", f"--runs={tmp_path / 'r'}",
+                                 f"--out={tmp_path / 's.json'}"], capsys, monkeypatch)
+    assert line == ("error: seeds=1-4000 x draws=1,2,3 is 12,000 runs, more than 10,000 (~2 weeks "
+                    "on 2 cores): choose a shorter range") and os.listdir(tmp_path) == []
+
+
+def test_a_record_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A kill while the record is written leaves the record before, never half a JSON."""
+    out = tmp_path / "seeds.json"
+    out.write_text(json.dumps(RECORDED))
+    monkeypatch.setattr(seeds, "run", lambda jobs, *a: [])
+    monkeypatch.setattr(seeds, "initial_weights", lambda *a: None)
+    finish(tmp_path / "runs", "seed1339-draw1", [5.5, 2.0])
+
+    def killed_midway(obj, f, **kwargs):
+        f.write(json.dumps(obj)[:20])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(seeds.json, "dump", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        seeds.main(["--seeds=1339", "--draws=1", f"--runs={tmp_path / 'runs'}", f"--out={out}"])
+    assert json.loads(out.read_text()) == RECORDED
+
+
+def test_a_relative_out_is_the_callers(tmp_path, monkeypatch):
+    """The jobs run in the repository; a relative --out is still where the command was typed."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(seeds, "run", lambda jobs, *a: [])
+    monkeypatch.setattr(seeds, "initial_weights", lambda *a: None)
+    name = f"seeds-test-{os.getpid()}.json"
+    try:
+        seeds.main(["--seeds=1339", "--draws=1", f"--runs={tmp_path / 'runs'}", f"--out={name}"])
+        assert (tmp_path / name).is_file()
+    finally:
+        if os.path.exists(os.path.join(ROOT, name)):  # where it landed before
+            os.remove(os.path.join(ROOT, name))

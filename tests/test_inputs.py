@@ -1,0 +1,129 @@
+"""The last bad inputs (issue 42), in the scripts that share them: a seed, a Ctrl-C while a script
+imports, a prompt file; each is one line (or a quiet exit), before any work."""
+import importlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import common
+import finetune
+import prepare
+import train
+from configurator import UserError
+from model import ModelConfig
+
+from conftest import ROOT
+from test_faults import one_line
+from test_sample import byte_model, save_model
+
+# Runs a script as `python SCRIPT` does, with a Ctrl-C arriving as it imports numpy or torch,
+# whichever comes first: deterministic, where a timed os.kill would race the imports.
+CTRL_C_IN_IMPORT = """
+import os, runpy, signal, sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name in ("numpy", "torch"):
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, CtrlC())
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+if script.endswith(".py"):
+    runpy.run_path(script, run_name="__main__")
+else:
+    runpy.run_module(script, run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "analyze.py", "finetune.py",
+                                    "export.py", "prepare.py", "hf.py", "experiments.seeds",
+                                    "experiments.reproduce", "experiments.eval"])
+def test_a_ctrl_c_while_a_script_imports_is_one_line(script):
+    """Under load torch imports for seconds: a Ctrl-C then was a KeyboardInterrupt traceback. Now
+    one line, and the process ends by SIGINT as after any Ctrl-C (status 130 in a shell)."""
+    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_IMPORT, script], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.stderr == "stopped by Ctrl-C\n" and done.returncode == -signal.SIGINT, done.stderr
+
+
+@pytest.mark.parametrize("seed", ["100000000000000000000", "-1", str(2 ** 32)])
+@pytest.mark.parametrize("script,argv", [
+    ("train", []), ("sample", []), ("analyze", ["--cluster"]), ("finetune", []),
+    ("experiments.depth", []), ("experiments.eval", []),
+])
+def test_a_seed_out_of_range_is_one_line_in_every_script(script, argv, seed, tmp_path, capsys,
+                                                          monkeypatch):
+    """torch.manual_seed overflowed on 1e20 (train.py, sample.py) and numpy refused -1 (analyze.py
+    --cluster), each as a traceback after some work: one rule, where a flag is parsed."""
+    monkeypatch.chdir(tmp_path)  # nothing may be written: the folder stays empty
+    main = importlib.import_module(script).main
+    line = one_line(main, [*argv, f"--seed={seed}"], capsys, monkeypatch)
+    assert line == f"error: --seed={seed} must be a whole number in 0..4294967295"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_prompt_file_is_any_readable_file_and_its_faults_name_it(tmp_path):
+    """A pipe (/dev/stdin) was "does not exist", `FILE:` alone the same, an empty file "the prompt
+    is empty" with no word of the file, and a byte-order mark three bytes of the prompt."""
+    read, write = os.pipe()
+    os.write(write, "ROMEO:".encode())
+    os.close(write)
+    assert prepare.read_prompt(f"FILE:/dev/fd/{read}") == "ROMEO:"  # /dev/stdin is such a pipe
+    os.close(read)
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfROMEO:\xef\xbb\xbf")  # Notepad's UTF-8
+    assert prepare.read_prompt(f"FILE:{tmp_path / 'bom.txt'}") == "ROMEO:\ufeff"  # the first only
+    (tmp_path / "empty.txt").write_text("")
+    for path in (tmp_path / "empty.txt", "/dev/null"):
+        with pytest.raises(UserError, match=f"^prompt file {path} is empty: write the prompt"):
+            prepare.read_prompt(f"FILE:{path}")
+    with pytest.raises(UserError, match="^FILE: names no file: write FILE:path"):
+        prepare.read_prompt("FILE:")
+    assert prepare.read_prompt("") == ""  # a literal prompt as it is (encode_prompt refuses it)
+
+
+@pytest.mark.parametrize("main,argv,message", [
+    (finetune.main, ["--lora_dropout=1.5"], "need --lora_rank >= 1, --lora_alpha > 0 and 0 <= "
+                                            "--lora_dropout < 1, got 8, 16.0, 1.5"),
+    (finetune.main, ["--lora_alpha=0"], "need --lora_rank >= 1, --lora_alpha > 0 and 0 <= "
+                                        "--lora_dropout < 1, got 8, 0.0, 0.0"),
+    (train.main, ["--tokenizer_vocab=999"], "--tokenizer_vocab is the data's, which the run sets: "
+                                            "leave it out"),
+    (train.main, ["--tokenizer_vocab=-1"], "bad model config: tokenizer_vocab=-1 must be in "
+                                           "0..vocab_size=50304"),
+    (train.main, ["--peak_flops=-1"], "peak_flops=-1.0 must not be negative"),
+])
+def test_settings_that_train_nothing_or_wrongly_are_one_line(main, argv, message, tmp_path, capsys,
+                                                             monkeypatch):
+    """--lora_dropout=1.5 failed in torch after the data and the model; --lora_alpha=0 scaled the
+    adapters by 0 (perplexity 84.42 -> 84.42); --tokenizer_vocab=999 was a traceback, -1 masked
+    byte 255; --peak_flops=-1 was accepted."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "setup", lambda *a: pytest.fail("work began"))
+    assert one_line(main, argv, capsys, monkeypatch) == f"error: {message}"
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match=r"tokenizer_vocab=-1 must be in 0..vocab_size=256"):
+        ModelConfig(vocab_size=256, tokenizer_vocab=-1)  # a config built in code, as a flag
+
+
+def test_a_lora_rank_above_the_weights_rank_is_one_line_before_the_data(tmp_path, capsys,
+                                                                        monkeypatch):
+    """--lora_rank=100000 on width 32 trained adapters 3,000 x the model: a rank is at most the
+    smaller side of every weight it adapts (here 32, n_embd), known once the base is read."""
+    base = save_model(tmp_path / "base.pt", byte_model())
+    argv = [f"--init_from={base}", "--steps=3", f"--data_root={tmp_path / 'data'}",
+            f"--out_dir={tmp_path / 'out'}", "--lora_targets=attn,fc"]
+    for rank, smallest in ((33, 32), (100000, 32)):
+        line = one_line(finetune.main, [*argv, f"--lora_rank={rank}"], capsys, monkeypatch)
+        assert line == f"error: lora_rank={rank} must be in 1..{smallest}, the narrowest side of " \
+                       f"its weights"
+    assert not (tmp_path / "data").exists()  # refused before the data
+
+
+def test_train_help_says_what_vocabulary_the_run_uses():
+    """--help showed --vocab_size=50304 beside a run of 256 byte tokens, without a word."""
+    done = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True)
+    line = next(line for line in done.stdout.splitlines() if "--vocab_size=" in line)
+    assert "train.py: its tokenizer's (bytes: 256)" in line, line
