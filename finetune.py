@@ -27,7 +27,7 @@ import common
 import lora
 import runlog
 import train
-from configurator import ConfigError, UserError, parse_config, run_main
+from configurator import ConfigError, UserError, check_out_dir, parse_config, run_main
 from model import ModelConfig, check_step_count
 from scale import resume
 
@@ -120,7 +120,7 @@ def main(argv):
         print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
-    common.on_master(env, lambda: train.check_out_dir(cfg), f"start a run in {cfg.out_dir}")
+    common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")
     # a Hub name (gpt2, owner/name) downloaded, or offline refused, before out_dir is claimed
     source = None if cfg.init_from == "resume" else checkpoints.resolve(cfg.init_from)
     lock = None

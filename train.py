@@ -32,8 +32,8 @@ import checkpoints
 import common
 import prepare
 import runlog
-from configurator import (ConfigError, Interrupted, UserError, as_user_error, int_range,
-                          parse_config, run_main)
+from configurator import (ConfigError, Interrupted, UserError, as_user_error, check_out_dir,
+                          int_range, parse_config, run_main)
 from model import MAX_STEPS, DiffEqFormer, ModelConfig
 from scale import memory, parallel, resume
 from scale.weightgen import WeightGenerator
@@ -49,8 +49,8 @@ class TrainConfig:
     init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
                                 # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights)
                                 # or a Hub id to start from
-    overwrite: bool = False  # start a new run in an out_dir that holds a run's checkpoint, which
-                             # the new run replaces (without it such an out_dir is refused)
+    overwrite: bool = False  # start a new run in an out_dir that holds a run, whose checkpoint
+                             # and log the new run replaces (without it such an out_dir is refused)
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
@@ -278,20 +278,6 @@ def check_launch(cfg, mcfg):
                   f"{world} processes (micro-steps per iteration over all processes together)")
         cfg = dataclasses.replace(cfg, gradient_accumulation_steps=rounded)
     return cfg
-
-
-RUN_FILES = ("ckpt.pt", "ckpt_sharded")  # what a run in out_dir resumes from
-
-
-def check_out_dir(cfg):
-    """Refuse to start a new run in an out_dir that holds a run's checkpoint, before anything is
-    written: it would be replaced (and its log) without a word. --init_from=resume continues it,
-    --overwrite starts over (as transformers' --overwrite_output_dir)."""
-    held = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, name))]
-    if held and cfg.init_from != "resume" and not cfg.overwrite:
-        raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
-                        f"--init_from=resume, write elsewhere with another --out_dir, or start "
-                        f"over with --overwrite (which replaces its checkpoint and log)")
 
 
 def setup_run(model, cfg, env, ckpt=None):
