@@ -236,10 +236,11 @@ def fit(model, optimizer, data, cfg, env, run):
                for i, split in enumerate(("train", "val"))}
     model.train()
     for it in run.iterations():
-        if run.evaluation_due(it):
+        due = it % cfg.eval_interval == 0 or it == run.end  # nanoGPT's schedule, and the last
+        if due and (it > run.start or it == 0):  # a resumed run's first: its run evaluated it
             run.evaluated(it, evaluate(model, batches, cfg, env))
         stop = run.interrupted(it)  # Ctrl-C: save this iteration, then stop
-        if run.checkpoint_due(it) or stop:
+        if due and it > run.start or stop:  # not the initial weights, nor a resumed run's own
             run.save(model, optimizer, it)
         if stop:
             raise Interrupted(f"interrupted: iteration {it} saved in {cfg.out_dir}/; continue "

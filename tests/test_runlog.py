@@ -1,0 +1,128 @@
+"""runlog.py's rules and train.fit's schedule, in seconds (no data, no training): which iterations a run
+evaluates and saves, fresh, resumed and stopped by Ctrl-C; what a run that diverges says of its last
+checkpoint; the Ctrl-C handler put back; the log's rows; the MFU's peak. The training itself is
+tests/test_train.py's."""
+import math
+import signal
+import types
+
+import pytest
+import torch
+
+import common
+import runlog
+import train
+from configurator import Diverged, Interrupted
+from model import DiffEqFormer, ModelConfig
+
+from conftest import TINY
+
+
+def make_run(tmp_path, start=0, **settings):
+    """A Run of a tiny model on the CPU, writing into tmp_path."""
+    cfg, model = train.TrainConfig(out_dir=str(tmp_path), **settings), DiffEqFormer(ModelConfig(**TINY))
+    run = runlog.Run(model, cfg, common.Env(torch.device("cpu"), torch.float32), {}, start)
+    run.model = model  # for fit(run, books)
+    return run
+
+
+@pytest.fixture
+def books(monkeypatch):
+    """train.fit with its maths faked: {"evaluated": [...], "saved": [...], "trained": [...]} iterations,
+    and `losses[it]`, the training loss an iteration returns (1.0 unless set); `during[it]` runs in its step."""
+    seen = dict(evaluated=[], saved=[], trained=[], losses={}, during={})
+    monkeypatch.setattr(train.prepare, "load_tokens", lambda data, split: None)
+    monkeypatch.setattr(train.common, "Batches", lambda *args: None)
+
+    def evaluate(model, batches, cfg, env):
+        seen["evaluated"].append(seen["it"])
+        return dict(train=2.0, val=1.5)
+
+    def train_step(model, optimizer, batches, it, cfg, env):
+        seen["trained"].append(it)
+        seen["during"].get(it, lambda: None)()
+        loss = seen["losses"].get(it, 1.0)
+        return torch.tensor(loss), torch.tensor(0.5), 2, False
+
+    def save_run(model, optimizer, state, cfg, env, extra):
+        seen["saved"].append(state["iter_num"])
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    monkeypatch.setattr(train, "train_step", train_step)
+    monkeypatch.setattr(runlog.resume, "save_run", save_run)
+    monkeypatch.setattr(runlog.plots, "loss_curve", lambda *args: None)
+    real_iterations = runlog.Run.iterations
+
+    def iterations(run):
+        for it in real_iterations(run):
+            seen["it"] = it
+            yield it
+    monkeypatch.setattr(runlog.Run, "iterations", iterations)
+    return seen
+
+
+def fit(run, books):
+    with run:
+        train.fit(run.model, types.SimpleNamespace(param_groups=[{}]), "data", run.cfg, run.env, run)
+    return books["evaluated"], books["saved"]
+
+
+@pytest.mark.parametrize("start,settings,evaluated,saved", [
+    (0, dict(max_iters=7, eval_interval=3), [0, 3, 6, 7], [3, 6, 7]),  # never the initial weights
+    (3, dict(max_iters=7, eval_interval=3), [6, 7], [6, 7]),  # resumed at 3: its checkpoint holds 3
+    (6, dict(max_iters=7, eval_interval=3), [7], [7]),
+    (0, dict(max_iters=7, eval_interval=3, stop_at=4), [0, 3, 4], [3, 4]),  # the last: stop_at's
+    (4, dict(max_iters=7, eval_interval=3), [6, 7], [6, 7]),  # resumed off the schedule (a Ctrl-C's)
+    (0, dict(max_iters=6, eval_interval=3), [0, 3, 6], [3, 6]),  # the last on the schedule: once
+])
+def test_the_iterations_a_run_evaluates_and_saves(tmp_path, books, start, settings, evaluated, saved):
+    """nanoGPT's schedule: every eval_interval iterations and the last, evaluate then save; a fresh run
+    saves no checkpoint of its initial weights, a resumed one neither evaluates nor saves its first
+    iteration again (its checkpoint's run did both); every iteration but the last trains once."""
+    run = make_run(tmp_path, start, **settings)
+    assert fit(run, books) == (evaluated, saved)
+    assert books["trained"] == list(range(start, run.end))
+
+
+def test_ctrl_c_saves_the_iteration_it_stopped_at_but_not_a_finished_run(tmp_path, books):
+    """A Ctrl-C during an optimizer step saves the next iteration and stops (Interrupted); one during the
+    last optimizer step lets the run finish as it would have: evaluated, saved, and not "interrupted"."""
+    run = make_run(tmp_path, max_iters=7, eval_interval=3)
+    books["during"][4] = lambda: setattr(run.interrupt, "flag", True)
+    with pytest.raises(Interrupted, match=f"interrupted: iteration 5 saved in {tmp_path}/"):
+        fit(run, books)
+    assert books["saved"] == [3, 5] and books["trained"] == [0, 1, 2, 3, 4]
+    books.update(evaluated=[], saved=[], trained=[])
+    run = make_run(tmp_path, max_iters=7, eval_interval=3)
+    books["during"] = {6: lambda: setattr(run.interrupt, "flag", True)}
+    assert fit(run, books) == ([0, 3, 6, 7], [3, 6, 7])
+
+
+def test_a_run_that_diverges_names_its_last_checkpoint(tmp_path, books):
+    """The one line of a run whose loss is not finite names the checkpoint it leaves: a resumed run's own
+    (its start) before it saves one, then its latest; a fresh run before its first save has none."""
+    def diverges_at(start, it):
+        books["losses"] = {it: float("nan")}
+        with pytest.raises(Diverged) as raised:
+            fit(make_run(tmp_path, start, max_iters=9, eval_interval=3), books)
+        return str(raised.value)
+    kept = "in {}/, is left as it was: --init_from=resume goes on from it (a lower --learning_rate may avoid this)"
+    assert diverges_at(4, 5) == ("training diverged: the loss is nan at iteration 5; the last checkpoint, of "
+                                 f"iteration 4 {kept.format(tmp_path)}")
+    assert diverges_at(4, 7) == ("training diverged: the loss is nan at iteration 7; the last checkpoint, of "
+                                 f"iteration 6 {kept.format(tmp_path)}")
+    assert diverges_at(0, 2) == "training diverged: the loss is nan at iteration 2; no checkpoint was saved before it"
+
+
+def test_the_ctrl_c_handler_is_put_back_however_the_run_ends(tmp_path, books):
+    """Run's Ctrl-C handler (common.Interrupt) is installed for the loop only: after the run, whether it
+    finished or diverged, Ctrl-C is the caller's again."""
+    before = signal.getsignal(signal.SIGINT)
+    run = make_run(tmp_path, max_iters=3, eval_interval=3)
+    assert signal.getsignal(signal.SIGINT) == run.interrupt.handler
+    fit(run, books)
+    assert signal.getsignal(signal.SIGINT) is before
+    books["losses"] = {1: math.inf}
+    with pytest.raises(Diverged):
+        fit(make_run(tmp_path, max_iters=3, eval_interval=3), books)
+    assert signal.getsignal(signal.SIGINT) is before
