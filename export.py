@@ -41,8 +41,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 REMOTE_CODE = {name: os.path.join(ROOT, folder, name) for folder, name in (
     (".", "model.py"), ("remote", "configuration_diffeqformer.py"),
     ("remote", "modeling_diffeqformer.py"))}
-# the model card's first lines (README.md): what marks a folder as an earlier export, which export.py
-# may replace (check_out)
+# the model card's first lines (README.md): what marks a folder as an earlier export, which
+# export.py may replace (check_out)
 CARD = "---\nlibrary_name: transformers\ntags: [diffeqformer, neural-ode, transformer]\n---"
 AUTO_MAP = {"AutoConfig": "configuration_diffeqformer.DiffEqFormerConfig",
             "AutoModelForCausalLM": "modeling_diffeqformer.DiffEqFormerForCausalLM"}
