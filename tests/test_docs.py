@@ -249,6 +249,10 @@ def test_documented_command_parses(page, number, command):
     for kind, name, argv in scripts:
         if "--help" in argv or "-h" in argv:
             continue
+        if kind == "file" and name.startswith("tests/"):  # a development tool: run, it would run for minutes
+            missing = [w for w in [name] + argv if w.endswith(".py") and not os.path.isfile(os.path.join(ROOT, w))]
+            assert not missing, f"{where}: no file {', '.join(missing)} in the repository"
+            continue
         module = load_script(kind, name, where)
         assert hasattr(module, "main"), f"{where}: {name} has no main(argv)"
         real = configurator.parse_config
