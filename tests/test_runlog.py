@@ -2,6 +2,7 @@
 evaluates and saves, fresh, resumed and stopped by Ctrl-C; what a run that diverges says of its last
 checkpoint; the Ctrl-C handler put back; the log's rows; the MFU's peak. The training itself is
 tests/test_train.py's."""
+import json
 import math
 import signal
 import types
@@ -126,3 +127,59 @@ def test_the_ctrl_c_handler_is_put_back_however_the_run_ends(tmp_path, books):
     with pytest.raises(Diverged):
         fit(make_run(tmp_path, max_iters=3, eval_interval=3), books)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_an_evaluation_is_printed_logged_and_the_best_kept(tmp_path, capsys):
+    """Each evaluation: one row in log.jsonl (perplexity exp(val), capped at exp(50)), one printed line, the
+    best validation loss so far; a loss that is not finite stops the run, naming which split."""
+    run = make_run(tmp_path, max_iters=9)
+    with run:
+        run.evaluated(0, dict(train=2.0, val=1.5))
+        run.evaluated(3, dict(train=1.0, val=60.0))
+        for losses, which in ((dict(train=1.0, val=math.nan), "val loss is nan"),
+                              (dict(train=math.inf, val=1.0), "train loss is inf")):
+            with pytest.raises(Diverged, match=f"the evaluated {which} at iteration 6; no checkpoint"):
+                run.evaluated(6, losses)
+    rows = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert rows == [dict(iter=0, train_loss=2.0, val_loss=1.5, val_ppl=math.exp(1.5)),
+                    dict(iter=3, train_loss=1.0, val_loss=60.0, val_ppl=math.exp(50))]
+    assert run.best_val_loss == 1.5 and run.history == rows
+    assert "iter 3: train loss 1.0000, val loss 60.0000, val perplexity" in capsys.readouterr().out
+
+
+def test_each_iteration_logs_its_row_every_log_interval_with_its_mfu(tmp_path):
+    """An iteration's row (loss, learning rate, tokens/s, gradient norm) every log_interval iterations; the
+    MFU against --peak_flops (above it: a peak too low, no MFU); a loss or norm that is not finite stops."""
+    run = make_run(tmp_path, max_iters=9, log_interval=2, peak_flops=1e30)
+    with run:
+        for it in range(3):
+            run.trained(it, 1e-3, 0.0, torch.tensor(2.5), torch.tensor(0.25), 3, False)
+        run.peak = 1.0  # a peak below what the run measured: no MFU
+        run.trained(4, 1e-3, 0.0, torch.tensor(2.5), torch.tensor(0.25), 3, False)
+        with pytest.raises(Diverged, match="the gradient norm is nan at iteration 5"):
+            run.trained(5, 1e-3, 0.0, torch.tensor(2.5), torch.tensor(math.nan), 3, False)
+    rows = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert [r["iter"] for r in rows] == [0, 2, 4] and "mfu" not in rows[2]
+    row = rows[0]
+    flops = runlog.flops_per_token(run.mcfg, run.hyper, run.per_generation, 3) * row["tok_s"]
+    assert (row["loss"], row["lr"], row["grad_norm"]) == (2.5, 1e-3, 0.25) and row["mfu"] == flops / 1e30
+
+
+def test_a_resumed_log_keeps_the_rows_up_to_its_checkpoint(tmp_path):
+    """A resumed run's log.jsonl keeps the rows before its checkpoint's iteration and that iteration's
+    evaluation, not the training rows a killed run wrote after it; a fresh run starts a new log."""
+    log = tmp_path / "log.jsonl"
+    rows = [dict(iter=3, loss=1.0), dict(iter=4, val_loss=2.0), dict(iter=4, loss=1.0), dict(iter=5, loss=1.0)]
+    log.write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+    with make_run(tmp_path, 4, max_iters=9):
+        assert [json.loads(line) for line in open(log)] == rows[:2]
+    with make_run(tmp_path, 0, max_iters=9):
+        assert log.read_text() == ""
+
+
+def test_a_resumed_run_with_nothing_left_says_so(tmp_path, capsys):
+    run = make_run(tmp_path, 6, max_iters=9, stop_at=6)
+    with run:
+        assert list(run.iterations()) == []
+    assert f"{tmp_path}/ is at iteration 6: nothing left to train with max_iters=9 and stop_at=6" in \
+        capsys.readouterr().out
