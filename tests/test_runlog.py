@@ -5,6 +5,7 @@ tests/test_train.py's."""
 import json
 import math
 import signal
+import time
 import types
 
 import pytest
@@ -19,10 +20,10 @@ from model import DiffEqFormer, ModelConfig
 from conftest import TINY
 
 
-def make_run(tmp_path, start=0, **settings):
+def make_run(tmp_path, start=0, env=None, extra=None, **settings):
     """A Run of a tiny model on the CPU, writing into tmp_path."""
     cfg, model = train.TrainConfig(out_dir=str(tmp_path), **settings), DiffEqFormer(ModelConfig(**TINY))
-    run = runlog.Run(model, cfg, common.Env(torch.device("cpu"), torch.float32), {}, start)
+    run = runlog.Run(model, cfg, env or common.Env(torch.device("cpu"), torch.float32), extra or {}, start)
     run.model = model  # for fit(run, books)
     return run
 
@@ -47,11 +48,12 @@ def books(monkeypatch):
 
     def save_run(model, optimizer, state, cfg, env, extra):
         seen["saved"].append(state["iter_num"])
+        seen["save"] = (model, optimizer, state, cfg, env, extra)
 
     monkeypatch.setattr(train, "evaluate", evaluate)
     monkeypatch.setattr(train, "train_step", train_step)
     monkeypatch.setattr(runlog.resume, "save_run", save_run)
-    monkeypatch.setattr(runlog.plots, "loss_curve", lambda *args: None)
+    monkeypatch.setattr(runlog.plots, "loss_curve", lambda *args: seen.update(curve=args))
     real_iterations = runlog.Run.iterations
 
     def iterations(run):
@@ -183,3 +185,63 @@ def test_a_resumed_run_with_nothing_left_says_so(tmp_path, capsys):
         assert list(run.iterations()) == []
     assert f"{tmp_path}/ is at iteration 6: nothing left to train with max_iters=9 and stop_at=6" in \
         capsys.readouterr().out
+
+
+class Recorder:
+    """wandb (the module and its run) and TensorBoard's SummaryWriter, faked: every call recorded."""
+
+    def __init__(self):
+        self.calls, self.id = [], "run-id"
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs)) or self
+
+
+def test_each_checkpoint_holds_the_books_and_the_log_is_mirrored(tmp_path, books, monkeypatch):
+    """A checkpoint's state: its iteration, the best validation loss and the wandb run, saved with the
+    model, optimizer, configs and `extra`, then the loss curve beside it; every row of the log mirrored to
+    wandb (at its iteration) and TensorBoard (each value but the iteration), inf and NaN as null in JSON."""
+    wandb = Recorder()
+    monkeypatch.setitem(__import__("sys").modules, "wandb", wandb)
+    run = make_run(tmp_path, max_iters=3, eval_interval=3, wandb=True, extra=dict(wandb_id="abc"))
+    init = wandb.calls[0]
+    assert init[0] == "init" and init[2]["id"] == "abc" and init[2]["resume"] == "allow"
+    assert {"learning_rate", "n_embd", "model_type"} <= set(init[2]["config"])  # both configs
+    run.log.tensorboard = board = Recorder()
+    fit(run, books)
+    model, optimizer, state, cfg, env, extra = books["save"]
+    assert state == dict(iter_num=3, best_val_loss=1.5, wandb_id="run-id") and model is run.model
+    assert (cfg, env, extra) == (run.cfg, run.env, dict(wandb_id="abc")) and optimizer.param_groups
+    assert books["curve"] == (str(tmp_path / "log.jsonl"), str(tmp_path / "loss.png"))
+    rows = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    logged = [(c[1][0], c[2]) for c in wandb.calls if c[0] == "log"]
+    assert logged == [(row, dict(step=row["iter"])) for row in rows] and ("finish", (), {}) in wandb.calls
+    assert ("add_scalar", ("val_loss", 1.5, 3), {}) in board.calls and ("close", (), {}) in board.calls
+    assert not any(c[1][0] == "iter" for c in board.calls if c[0] == "add_scalar")
+    run.log.wandb = run.log.tensorboard = None
+    run.log(dict(iter=4, loss=math.inf, val=math.nan))
+    assert open(tmp_path / "log.jsonl").read().splitlines()[-1] == '{"iter": 4, "loss": null, "val": null}'
+
+
+def test_the_bar_shows_each_iteration_and_float16_logs_its_loss_scale(tmp_path):
+    """The bar's postfix: loss, gradient norm, tokens/s (the iteration's tokens over its seconds), MFU
+    over every process's peak, learning rate; float16's loss scale in every row, and a skipped step
+    logged whatever log_interval says."""
+    env = common.Env(torch.device("cpu"), torch.float16, world_size=2)
+    run = make_run(tmp_path, env=env, max_iters=9, log_interval=5, peak_flops=1e30, gradient_accumulation_steps=2)
+    assert run.start == runlog.Run(run.model, run.cfg, env, {}).start == 0
+    assert run.tokens == 16 * 32 * 2 and run.per_generation == run.tokens // 2
+    assert run.hyper == sum(p.numel() for n, p in run.model.named_parameters() if n.startswith("hyper.")) > 0
+    flops = runlog.flops_per_token(run.mcfg, run.hyper, run.per_generation, 5)
+    run.peak = flops * run.tokens / 2.0  # an MFU near 50% at tokens / 2 s over 2 processes
+    with run:
+        run.trained(1, 1e-3, time.perf_counter() - 2.0, torch.tensor(2.5), torch.tensor(0.25), 5, True)
+        row = json.loads(open(tmp_path / "log.jsonl").read())
+        assert row["tok_s"] == pytest.approx(run.tokens / 2.0, rel=0.25)  # t0: 2 s before
+        assert row["mfu"] == pytest.approx(flops * row["tok_s"] / (2 * run.peak)) and row["skipped"] is True
+        assert row["loss_scale"] == 65536.0 and 0.3 < row["mfu"] < 0.7
+        assert run.bar.postfix == (f"grad_norm=0.25, loss=2.5000, lr=1.0e-03, mfu={100 * row['mfu']:.1f}%, "
+                                   f"tok_s={row['tok_s']:,.0f}")
+    with pytest.raises(KeyboardInterrupt, match=f"the last checkpoint in {tmp_path}/"):
+        run.interrupt.flag = True
+        run.interrupt.handler(signal.SIGINT, None)  # a second Ctrl-C
