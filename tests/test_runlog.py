@@ -228,9 +228,11 @@ def test_the_bar_shows_each_iteration_and_float16_logs_its_loss_scale(tmp_path):
     over every process's peak, learning rate; float16's loss scale in every row, and a skipped step
     logged whatever log_interval says."""
     env = common.Env(torch.device("cpu"), torch.float16, world_size=2)
-    run = make_run(tmp_path, env=env, max_iters=9, log_interval=5, peak_flops=1e30, gradient_accumulation_steps=2)
+    run = make_run(tmp_path, env=env, max_iters=9, log_interval=5, peak_flops=1e30, gradient_accumulation_steps=4)
     assert run.start == runlog.Run(run.model, run.cfg, env, {}).start == 0
-    assert run.tokens == 16 * 32 * 2 and run.per_generation == run.tokens // 2
+    assert run.tokens == 16 * 32 * 4 and run.per_generation == run.tokens // 2  # a process's iteration
+    every_pass = make_run(tmp_path, env=env, gradient_accumulation_steps=4, generate_once=False)
+    assert every_pass.per_generation == 16 * 32  # the weights made in every forward pass
     assert run.hyper == sum(p.numel() for n, p in run.model.named_parameters() if n.startswith("hyper.")) > 0
     flops = runlog.flops_per_token(run.mcfg, run.hyper, run.per_generation, 5)
     run.peak = flops * run.tokens / 2.0  # an MFU near 50% at tokens / 2 s over 2 processes
@@ -245,3 +247,17 @@ def test_the_bar_shows_each_iteration_and_float16_logs_its_loss_scale(tmp_path):
     with pytest.raises(KeyboardInterrupt, match=f"the last checkpoint in {tmp_path}/"):
         run.interrupt.flag = True
         run.interrupt.handler(signal.SIGINT, None)  # a second Ctrl-C
+
+
+def test_a_loss_is_averaged_over_the_processes(tmp_path, monkeypatch):
+    """Under torchrun each process's loss is summed over the processes and divided by their number (a
+    process group of one here, standing for two: the sum is its own loss)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run = make_run(tmp_path, env=common.Env(torch.device("cpu"), torch.float32, world_size=2), log_interval=1)
+        with run:
+            run.trained(0, 1e-3, 0.0, torch.tensor(3.0), torch.tensor(0.25), 3, False)
+    finally:
+        dist.destroy_process_group()
+    assert json.loads(open(tmp_path / "log.jsonl").read())["loss"] == 1.5
