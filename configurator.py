@@ -80,6 +80,28 @@ def make_dir(path, flag):
     return path
 
 
+# what a run leaves in its out_dir (train.py, finetune.py; --merge's merged.pt): each marks a run
+RUN_FILES = ("ckpt.pt", "ckpt_sharded", "adapters.pt", "merged.pt", "results.json", "log.jsonl",
+             "loss.png", "tensorboard")
+
+
+def check_out_dir(cfg):
+    """Refuse, before anything is written, an out_dir whose files would replace the checkpoint the
+    run starts from (whatever --overwrite says), and a new run in an out_dir that holds a run (any
+    of RUN_FILES): it would be replaced without a word. --init_from=resume continues it,
+    --overwrite starts over (as transformers' --overwrite_output_dir)."""
+    files = [os.path.join(cfg.out_dir, name) for name in RUN_FILES]
+    if cfg.init_from != "resume" and os.path.exists(cfg.init_from) and os.path.realpath(
+            cfg.init_from) in map(os.path.realpath, [cfg.out_dir, *files]):
+        raise UserError(f"--out_dir={cfg.out_dir} would write over --init_from={cfg.init_from}, "
+                        f"the checkpoint this run starts from: choose another --out_dir")
+    held = [os.path.basename(name) for name in files if os.path.exists(name)]
+    if held and cfg.init_from != "resume" and not cfg.overwrite:
+        raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
+                        f"--init_from=resume, write elsewhere with another --out_dir, or start "
+                        f"over with --overwrite (which replaces its checkpoint and log)")
+
+
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # full, over quota, read-only
 
 

@@ -41,6 +41,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 REMOTE_CODE = {name: os.path.join(ROOT, folder, name) for folder, name in (
     (".", "model.py"), ("remote", "configuration_diffeqformer.py"),
     ("remote", "modeling_diffeqformer.py"))}
+# the model card's first lines (README.md): what marks a folder as an earlier export, which
+# export.py may replace (check_out)
+CARD = "---\nlibrary_name: transformers\ntags: [diffeqformer, neural-ode, transformer]\n---"
 AUTO_MAP = {"AutoConfig": "configuration_diffeqformer.DiffEqFormerConfig",
             "AutoModelForCausalLM": "modeling_diffeqformer.DiffEqFormerForCausalLM"}
 
@@ -117,8 +120,7 @@ def model_card(model, tokenizer, facts, source, fmt, name):
              "tokens = model.generate(**batch, max_new_tokens=40, do_sample=False)",
              "print(tokenizer.batch_decode(tokens, skip_special_tokens=True))"]
     return "\n".join([
-        "---", "library_name: transformers",
-        "tags: [diffeqformer, neural-ode, transformer]", "---", "",
+        CARD, "",
         f"# {cfg.model_type} ({cfg.flavor}) model of DiffEqFormer", "",
         f"A {cfg.model_type} model in the {cfg.flavor} flavour from DiffEqFormer, a reference "
         f"implementation of *Neural ODE Transformers* (Tong et al., ICLR 2025): "
@@ -178,9 +180,25 @@ def check_space(model, out):
                         f"{need / 2 ** 20:,.1f} MiB: free some space or choose another --out")
 
 
+def check_out(out):
+    """Refuse, before any work, a folder --out that holds files and is no earlier export (its
+    README.md begins with CARD): export.py would replace a user's own README.md, config.json or
+    model.py without a word. A run's lock files (common.lock's) are none of them."""
+    held = sorted(set(os.listdir(out)) - {".lock", ".lock.pid"}) if os.path.isdir(out) else []
+    card = os.path.join(out, "README.md")
+    if held and os.path.isfile(card):
+        with open(card, errors="replace") as f:
+            held = [] if f.read(len(CARD)) == CARD else held
+    if held:
+        raise UserError(f"--out={out} holds files that are not an export of this project "
+                        f"({', '.join(held[:3])}{', ...' * (len(held) > 3)}): export into an empty "
+                        f"or a new folder, or over an earlier export")
+
+
 def export(path, out, fmt="diffeqformer", name=None):
     """Write the model in `path` (any checkpoint kind, folder or Hub id) as a folder `out`, which
     its card loads as `name` (default: out; a Hub id where it is pushed)."""
+    check_out(out)
     model, ckpt = checkpoints.load_model(path)
     tokenizer = ckpt["tokenizer"]
     facts = history(path) if os.path.isfile(path) else {k: v for k, v in ckpt.items()

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from configurator import ConfigError, UserError, parse_config, run_main
+from configurator import ConfigError, UserError, check_out_dir, parse_config, run_main
 import torch
 
 import checkpoints
@@ -121,7 +121,7 @@ def main(argv):
         print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
-    common.on_master(env, lambda: train.check_out_dir(cfg), f"start a run in {cfg.out_dir}")
+    common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")
     # a Hub name (gpt2, owner/name) downloaded, or offline refused, before out_dir is claimed
     source = None if cfg.init_from == "resume" else checkpoints.resolve(cfg.init_from)
     lock = None

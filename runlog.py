@@ -25,8 +25,8 @@ from scale import parallel, resume
 
 class Run:
     """train.fit's books, from iteration `start` (a resumed run's) to max_iters (or stop_at): the
-    iterations as a tqdm bar; each evaluation printed and logged, the best validation loss; a
-    checkpoint after each evaluation, and at the iteration where Ctrl-C stops the run; each
+    iterations as a tqdm bar; each evaluation printed and logged, the best validation loss; the
+    checkpoints fit saves (after each evaluation, and where Ctrl-C stops the run); each
     iteration's loss, gradient norm, learning rate, tokens/s and MFU; a loss, gradient norm or
     evaluation that is not finite stops the run before its weights are saved. `extra` goes into
     every checkpoint. A context manager: the bar, the log and the Ctrl-C handler close however the
@@ -67,19 +67,6 @@ class Run:
                            f"{f' and stop_at={cfg.stop_at}' * bool(cfg.stop_at)}")
             return iter(())
         return iter(self.bar)
-
-    def scheduled(self, it):
-        """An evaluation's iteration: every eval_interval iterations and the last (nanoGPT's)."""
-        return it % self.cfg.eval_interval == 0 or it == self.end
-
-    def evaluation_due(self, it):
-        """Scheduled, but not at a resumed run's first iteration, which its checkpoint's run
-        evaluated."""
-        return self.scheduled(it) and (it > self.start or self.start == 0)
-
-    def checkpoint_due(self, it):
-        """After each evaluation, but a resumed run's first iteration's: its checkpoint holds it."""
-        return self.scheduled(it) and it > self.start
 
     def interrupted(self, it):
         """Ctrl-C was pressed (on any rank): save this iteration and stop. Twice: at once."""

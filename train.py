@@ -24,8 +24,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from configurator import (ConfigError, Interrupted, UserError, as_user_error, int_range,
-                          parse_config, run_main)  # first: a Ctrl-C while torch imports
+from configurator import (ConfigError, Interrupted, UserError, as_user_error, check_out_dir,
+                          int_range, parse_config, run_main)  # first: a Ctrl-C while torch imports
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -49,8 +49,8 @@ class TrainConfig:
     init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
                                 # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights)
                                 # or a Hub id to start from
-    overwrite: bool = False  # start a new run in an out_dir that holds a run's checkpoint, which
-                             # the new run replaces (without it such an out_dir is refused)
+    overwrite: bool = False  # start a new run in an out_dir that holds a run, whose checkpoint
+                             # and log the new run replaces (without it such an out_dir is refused)
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10
@@ -236,10 +236,11 @@ def fit(model, optimizer, data, cfg, env, run):
                for i, split in enumerate(("train", "val"))}
     model.train()
     for it in run.iterations():
-        if run.evaluation_due(it):
+        due = it % cfg.eval_interval == 0 or it == run.end  # nanoGPT's schedule, and the last
+        if due and (it > run.start or it == 0):  # a resumed run's first: its run evaluated it
             run.evaluated(it, evaluate(model, batches, cfg, env))
         stop = run.interrupted(it)  # Ctrl-C: save this iteration, then stop
-        if run.checkpoint_due(it) or stop:
+        if due and it > run.start or stop:  # not the initial weights, nor a resumed run's own
             run.save(model, optimizer, it)
         if stop:
             raise Interrupted(f"interrupted: iteration {it} saved in {cfg.out_dir}/; continue "
@@ -278,20 +279,6 @@ def check_launch(cfg, mcfg):
                   f"{world} processes (micro-steps per iteration over all processes together)")
         cfg = dataclasses.replace(cfg, gradient_accumulation_steps=rounded)
     return cfg
-
-
-RUN_FILES = ("ckpt.pt", "ckpt_sharded")  # what a run in out_dir resumes from
-
-
-def check_out_dir(cfg):
-    """Refuse to start a new run in an out_dir that holds a run's checkpoint, before anything is
-    written: it would be replaced (and its log) without a word. --init_from=resume continues it,
-    --overwrite starts over (as transformers' --overwrite_output_dir)."""
-    held = [name for name in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, name))]
-    if held and cfg.init_from != "resume" and not cfg.overwrite:
-        raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
-                        f"--init_from=resume, write elsewhere with another --out_dir, or start "
-                        f"over with --overwrite (which replaces its checkpoint and log)")
 
 
 def setup_run(model, cfg, env, ckpt=None):

@@ -48,8 +48,7 @@ from tqdm import tqdm
 import checkpoints
 import prepare
 import runlog
-import train
-from configurator import UserError, make_dir, parse_config, run_main
+from configurator import RUN_FILES, UserError, make_dir, parse_config, run_main
 from model import DiffEqFormer, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the jobs run there
@@ -259,7 +258,7 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
             elif len(running) < workers:
                 del pending[job.name]
                 os.makedirs(folder, exist_ok=True)
-                for name in ("done", *train.RUN_FILES):  # an earlier attempt's: the job starts over
+                for name in ("done", *RUN_FILES):  # an earlier attempt's: the job starts over
                     path = os.path.join(folder, name)  # (train.py refuses a folder holding a run)
                     if os.path.isdir(path):
                         shutil.rmtree(path)

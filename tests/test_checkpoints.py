@@ -263,7 +263,8 @@ def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anythi
     train.main([*base, "--max_iters=2", f"--data_root={tmp_path / 'data'}"])
     before = {name: (tmp_path / "out" / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")}
     again = [*base, "--max_iters=4", f"--data_root={tmp_path / 'data2'}"]
-    finetune_again = ["--steps=2", f"--init_from={tmp_path / 'out' / 'ckpt.pt'}", *again[-3:]]
+    (tmp_path / "base.pt").write_bytes(before["ckpt.pt"])  # a base beside the run (in it: refused anyway)
+    finetune_again = ["--steps=2", f"--init_from={tmp_path / 'base.pt'}", *again[-3:]]
     for main, argv in ((train.main, again), (finetune.main, finetune_again)):
         line = one_line(main, argv, capsys, monkeypatch)
         assert line == (f"error: {tmp_path / 'out'} holds a run (ckpt.pt): continue it with --init_from=resume, "
@@ -276,6 +277,56 @@ def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anythi
     train.main([*again, "--overwrite"])
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 4
     assert [json.loads(r)["iter"] for r in open(tmp_path / "out" / "log.jsonl") if "val_loss" in r] == [0, 2, 4]
+
+
+def past_the_check(*args):
+    raise AssertionError("past the check of out_dir: the run would claim it")
+
+
+@pytest.mark.parametrize("name", ["ckpt.pt", "ckpt_sharded", "adapters.pt", "merged.pt", "results.json",
+                                  "log.jsonl", "loss.png", "tensorboard"])
+def test_every_file_a_run_leaves_marks_its_folder_as_holding_a_run(tmp_path, capsys, monkeypatch, name):
+    """A fine-tuning folder whose user deleted the large ckpt.pt and kept adapters.pt, results.json and
+    log.jsonl, or a folder holding only ckpt_sharded/, was written over by a new run without a word: every
+    file a run leaves holds the folder, for train.py and finetune.py alike (one rule: check_out_dir)."""
+    from test_faults import one_line
+    import finetune
+    out, base = tmp_path / "out", tmp_path / "base.pt"
+    out.mkdir()
+    (out / name).mkdir() if "." not in name else (out / name).write_bytes(b"the user's")
+    base.write_bytes(b"a base checkpoint")  # refused before it is read
+    monkeypatch.setattr(common, "lock", past_the_check)
+    for main, argv in ((train.main, []), (finetune.main, ["--steps=2", f"--init_from={base}"])):
+        line = one_line(main, [*argv, f"--out_dir={out}", f"--data_root={tmp_path / 'data'}"], capsys, monkeypatch)
+        assert line.startswith(f"error: {out} holds a run ({name}): continue it with --init_from=resume")
+    assert sorted(os.listdir(out)) == [name] and not (tmp_path / "data").exists()
+
+
+def test_no_flag_lets_a_fine_tuning_write_over_the_base_it_reads(tmp_path, capsys, monkeypatch):
+    """finetune.py --init_from=X/ckpt.pt --out_dir=X --overwrite replaced the pretrained base with the LoRA
+    run's checkpoint, whose adapters could then never be merged: an out_dir whose files would replace the
+    base is refused in one line, whatever --overwrite says, by the same path, a relative one, a symlink of
+    either, or a folder base; a base beside them is not."""
+    from test_faults import one_line
+    import finetune
+    x = tmp_path / "x"
+    x.mkdir()
+    (x / "ckpt.pt").write_bytes(b"the pretrained base")
+    (tmp_path / "link").symlink_to(x)
+    (tmp_path / "base.pt").symlink_to(x / "ckpt.pt")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "lock", past_the_check)
+    cases = [(x / "ckpt.pt", x), ("x/ckpt.pt", "x"), ("x/ckpt.pt", "link"), ("base.pt", x), (x, x), ("link", "x/")]
+    for init_from, out_dir in cases:
+        argv = ["--steps=2", f"--init_from={init_from}", f"--out_dir={out_dir}", "--overwrite", "--data_root=data"]
+        assert one_line(finetune.main, argv, capsys, monkeypatch) == (
+            f"error: --out_dir={out_dir} would write over --init_from={init_from}, the checkpoint this run starts "
+            f"from: choose another --out_dir")
+    assert sorted(os.listdir(x)) == ["ckpt.pt"] and (x / "ckpt.pt").read_bytes() == b"the pretrained base"
+    (x / "ckpt.pt").unlink()
+    (x / "other.pt").write_bytes(b"another base")  # nothing of the run's would replace it: on to the data
+    with pytest.raises(AssertionError, match="past the check"):
+        finetune.main(["--init_from=x/other.pt", "--out_dir=x", "--data_root=data"])
 
 
 def test_resume_after_a_kill_drops_later_log_rows_and_orphaned_temporary_files(tmp_path, shakespeare):

@@ -323,3 +323,11 @@ def test_the_default_runs_time_is_one_measured_figure_wherever_it_is_stated():
         assert DEFAULT_RUN_TIME in text, f"{name} does not state the default run's time, {DEFAULT_RUN_TIME}"
         assert not re.search(r"\bminutes\b|\bmin\b(?! \d+ s)", text.replace(DEFAULT_RUN_TIME, "")), \
             f"{name} states a time in minutes other than {DEFAULT_RUN_TIME}"
+
+
+def test_the_quick_start_says_what_to_type_after_an_interrupted_run():
+    """After a quick start stopped early, the README's own `python train.py` is refused (out/ holds a run):
+    the quick start names the ways on that the refusal names, resuming first."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "`python train.py --init_from=resume`" in quick and "`--overwrite`" in quick

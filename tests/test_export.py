@@ -190,6 +190,32 @@ def test_an_export_into_the_folder_of_a_run_that_goes_on_is_refused(saved, tmp_p
     common.lock(out).release()  # and let go of it after
 
 
+def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(saved, tmp_path, capsys,
+                                                                               monkeypatch):
+    """export.py --out=D, where D held the user's own README.md and model.py, replaced both without a word:
+    a folder that holds files and is no earlier export (recognised by its model card) is refused in one line
+    before the model is read, with nothing written; an earlier export is written over."""
+    from test_faults import one_line
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "README.md").write_text("# my project\n")
+    (user / "model.py").write_text("print('my model')\n")
+    monkeypatch.setattr(checkpoints, "load_model", None)  # refused before the model is read
+    line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, monkeypatch)
+    assert line == (f"error: --out={user} holds files that are not an export of this project (README.md, "
+                    f"model.py): export into an empty or a new folder, or over an earlier export")
+    assert sorted(os.listdir(user)) == ["README.md", "model.py"]
+    assert (user / "README.md").read_text() == "# my project\n"
+    monkeypatch.undo()
+    export.export(saved["gpt"], str(tmp_path / "exp"))
+    first = (tmp_path / "exp" / "model.safetensors").read_bytes()
+    export.export(saved["llama"], str(tmp_path / "exp"))  # over an earlier export: another model
+    assert (tmp_path / "exp" / "model.safetensors").read_bytes() != first
+    (tmp_path / "exp" / "README.md").write_text("# my notes\n")  # its card replaced: no export now
+    with pytest.raises(UserError, match="not an export of this project"):
+        export.export(saved["gpt"], str(tmp_path / "exp"))
+
+
 def test_a_folder_with_broken_weights_is_one_line(saved, tmp_path):
     export.export(saved["gpt"], str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")

@@ -130,8 +130,9 @@ class Lines:
 
 def test_ctrl_c_during_a_long_evaluation_is_acknowledged_and_a_second_stops_at_once(tmp_path, shakespeare):
     """The first Ctrl-C in the middle of iteration 0's evaluation (20,000 batches: a minute and more)
-    says at once what will happen; the second stops the run at once, with one line, exit 130 and no
-    checkpoint, where waiting for the evaluation to end would take the rest of that minute."""
+    says at once what will happen (before the evaluation ends); the second stops the run at once, with
+    one line, exit 130 and no checkpoint, where waiting for the evaluation to end would print its
+    losses, save iteration 0 and say "interrupted". The behaviour, not the time: no bound on seconds."""
     args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", "--max_iters=10",
                     "--eval_iters=20000", f"--out_dir={tmp_path / 'out'}")
     run = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
@@ -140,17 +141,17 @@ def test_ctrl_c_during_a_long_evaluation_is_acknowledged_and_a_second_stops_at_o
     out.wait_for("system ", 120)  # the summary's last line: the evaluation at iteration 0 begins
     time.sleep(1)
     run.send_signal(signal.SIGINT)
-    sent = time.monotonic()
-    assert err.wait_for("Ctrl-C again to stop at once", 5) - sent < 3
+    err.wait_for("Ctrl-C again to stop at once", 120)
+    evaluated = lambda: any("iter 0: train loss" in line for _, line in out.lines)  # noqa: E731
+    assert not evaluated()  # acknowledged within the evaluation
     run.send_signal(signal.SIGINT)
-    sent = time.monotonic()
-    run.wait(timeout=60)
-    assert time.monotonic() - sent < 5 and run.returncode == 130
+    run.wait(timeout=600)
     time.sleep(0.2)  # the reader threads take the last lines
     last = err.lines[-1][1].strip()
-    assert last.startswith("stopped by Ctrl-C: a second one stopped the run at once") and \
-        "--init_from=resume" in last, err.lines[-3:]
+    assert run.returncode == 130 and last.startswith("stopped by Ctrl-C: a second one stopped the run at once") \
+        and "--init_from=resume" in last, err.lines[-3:]
     assert not any("Traceback" in line for _, line in err.lines) and not (tmp_path / "out" / "ckpt.pt").exists()
+    assert not evaluated()  # stopped within the evaluation, not after it
 
 
 def test_ctrl_c_while_the_data_is_prepared_stops_and_leaves_nothing_half_written(tmp_path, shakespeare):

@@ -114,7 +114,7 @@ def test_each_job_writes_its_initial_weights_as_it_starts(tmp_path, monkeypatch,
     assert started == [["seed7-draw1"], ["seed7-draw1", "seed7-draw3"],
                        ["seed7-draw1", "seed7-draw3", "seed8-draw1"],
                        ["seed7-draw1", "seed7-draw3", "seed8-draw1", "seed8-draw3"]]
-    assert f"4 runs (finished ones are skipped): ~8 min on 2 cores, ~56 MB of initial weights" \
+    assert "4 runs (finished ones are skipped): ~8 min on 2 cores, ~56 MB of initial weights" \
            in capsys.readouterr().err
 
 
