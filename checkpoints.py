@@ -109,8 +109,11 @@ def load_folder(path):
     if missing:
         raise UserError(f"{path}/config.json has no {missing[0]!r}: not a complete export; export "
                         f"the folder again")
+    index = os.path.join(path, "model.safetensors.index.json")  # save_pretrained's shards
     try:
-        weights = load_file(os.path.join(path, "model.safetensors"))
+        files = set(json.load(open(index))["weight_map"].values()) if os.path.isfile(index) \
+            else ["model.safetensors"]
+        weights = {k: w for name in files for k, w in load_file(os.path.join(path, name)).items()}
     except Exception as e:  # missing, truncated, not safetensors
         raise UserError(f"{path}/model.safetensors is missing or unreadable "
                         f"({type(e).__name__}); export the folder again") from None

@@ -3,6 +3,7 @@ model kind, AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) gi
 logits and sample.py's greedy tokens, past the context too; `steps` and `solver` at load time run an
 ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_eval --model hf`
 scores the local tasks as this project's harness does. Skipped without transformers."""
+import glob
 import importlib.util
 import os
 import re
@@ -386,6 +387,10 @@ def test_save_pretrained_comes_back_everywhere(kind, saved, exported, tmp_path, 
     sample.main([f"--init_from={tmp_path / 'saved'}", "--max_new_tokens=3", "--num_samples=1",
                  "--start=!"])  # (id 0 in GPT-2: in the tiny vocabulary)
     assert f"{tmp_path / 'saved'}: {ours.cfg.model_type}" in capsys.readouterr().err
+    auto(exported[kind]).save_pretrained(tmp_path / "shards", max_shard_size="20KB")  # several files
+    assert len(glob.glob(str(tmp_path / "shards" / "model-*.safetensors"))) > 1
+    with torch.no_grad():
+        assert torch.equal(checkpoints.load_model(str(tmp_path / "shards"))[0](idx)[0], ours(idx)[0])
     export.export(str(tmp_path / "saved"), str(tmp_path / "again"))
     first, again = (load_file(os.path.join(d, "model.safetensors")) for d in (exported[kind], tmp_path / "again"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
