@@ -81,7 +81,7 @@ def initial_weights(seed, draw, path):
 def read_record(path):
     """The record a file holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}} (JSON's string
     keys), {} where there is none; a file that is not such a record (text, half a JSON, a list,
-    other keys) is one UserError, before the first job."""
+    other keys, a loss that is no number) is one UserError, before the first job."""
     if not os.path.exists(path):
         return {}
     try:
@@ -92,7 +92,8 @@ def read_record(path):
     keys = {"val_loss", "train_loss", "val_loss_0"}
     if not (isinstance(out, dict) and all(
             d in map(str, DRAWS) and isinstance(runs, dict) and all(
-                isinstance(run, dict) and keys <= set(run) for run in runs.values())
+                isinstance(run, dict) and keys <= set(run) and all(  # losses: numbers
+                    type(run[k]) in (int, float) for k in keys) for run in runs.values())
             for d, runs in out.items())):
         raise UserError(f"--out={path} is not a record of this script ({{draw: {{seed: "
                         f"{{{', '.join(sorted(keys))}}}}}}} in JSON): name another --out")

@@ -83,10 +83,13 @@ def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, m
 
 
 @pytest.mark.parametrize("held", ["a text file\n", '{"1": {"1337": {"val_lo', "[1, 2]",
-                                  '{"loss": 1.9}', '{"1": {"1337": {"val_loss": 1.9}}}'])
+                                  '{"loss": 1.9}', '{"1": {"1337": {"val_loss": 1.9}}}',
+                                  '{"1": {"1337": {"val_loss": "1.9", "train_loss": 2, '
+                                  '"val_loss_0": 5}}}'])
 def test_an_out_that_is_not_a_record_is_one_line_before_the_first_job(held, tmp_path, capsys,
                                                                        monkeypatch):
-    """Text, half a JSON, a list, other keys: a traceback after every job had run (~50 min)."""
+    """Text, half a JSON, a list, other keys, a loss that is no number: a traceback after every
+    job had run (~50 min)."""
     (tmp_path / "s.json").write_text(held)
     for work in ("initial_weights", "run"):
         monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
