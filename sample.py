@@ -249,22 +249,28 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     window = torch.arange(L, device=device)  # the positions of a full window
     # the first L tokens (RoPE: then the rest one by one into the sliding window), or the last L
     logits = prefill(model, idx[:, :L] if rope else idx[:, -L:], window[:min(T, L)], state)
-    if not logits.amax(dim=-1).isfinite().all():  # one host synchronisation per generation
-        raise ValueError("its logits after the prompt are not finite (its weights overflow)")
     first = min(T, L) if rope else T  # logits: the next token's, at position p
     pos = torch.full((1,), first, device=device)  # the position of the next token fed
-    for p in range(first, T + max_new_tokens):  # a RoPE model's prompt past L is fed, not drawn
-        if p >= T:
-            out[:, p:p + 1] = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
-        if p == T + max_new_tokens - 1:
-            break
-        if rope or p < L:  # contiguous: a slice of out has out's row stride (see below)
-            logits = run(decode_one_token, out[:, p:p + 1].contiguous(), pos)
-            pos += 1  # on the device: no token waits for the host
-        else:  # learned positions, context full: the window of the last L tokens, again, contiguous
-            # (a slice of out has out's row stride, T + max_new_tokens: a compiled prefill guards on
-            # it, and a generation of another length would compile it again, with dynamic shapes)
-            logits = run(prefill, out[:, p + 1 - L:p + 1].contiguous(), window)
+    finite = torch.ones((), dtype=torch.bool, device=device)  # every draw's logits: on the device
+    try:
+        for p in range(first, T + max_new_tokens):  # a RoPE model's prompt past L is fed, not drawn
+            if p >= T:
+                finite &= logits.amax(dim=-1).isfinite().all()  # +inf or NaN: weights overflow
+                out[:, p:p + 1] = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
+            if p == T + max_new_tokens - 1:
+                break
+            if rope or p < L:  # contiguous: a slice of out has out's row stride (see below)
+                logits = run(decode_one_token, out[:, p:p + 1].contiguous(), pos)
+                pos += 1  # on the device: no token waits for the host
+            else:  # learned positions, context full: the last L tokens' window, again, contiguous
+                # (a slice of out has out's row stride, T + max_new_tokens: a compiled prefill
+                # guards on it, and a generation of another length would compile it again)
+                logits = run(prefill, out[:, p + 1 - L:p + 1].contiguous(), window)
+    except RuntimeError:  # torch.multinomial refuses probabilities that are not finite
+        if finite:
+            raise
+    if not finite:  # one host synchronisation per generation
+        raise ValueError("its logits are not finite (its weights overflow)")
     return out
 
 

@@ -1,4 +1,5 @@
 """Decoding with the KV cache (sample.generate) against recomputation, sampling filters, and sample.py."""
+import itertools
 import subprocess
 import sys
 import types
@@ -534,8 +535,19 @@ def test_logits_that_overflow_are_one_line(tmp_path, capsys):
         model.wte.weight.mul_(1e10)
     path = save_model(tmp_path / "ckpt.pt", model)
     for temperature in ("0", "1"):
-        with pytest.raises(UserError, match=r"ckpt.pt: its logits after the prompt are not finite \(its weights overflow\)$"):
+        with pytest.raises(UserError, match=r"ckpt.pt: its logits are not finite \(its weights overflow\)$"):
             sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=1", f"--temperature={temperature}"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logits_that_stop_being_finite_after_the_prompt_are_one_line(monkeypatch, temperature):
+    """A weight that overflows only once its token is drawn (one entry of wte at 3e38): the
+    prompt's logits are finite, a later token's are not; greedy or sampled, one line at the end."""
+    model, real, fed = byte_model(), sample.decode_one_token, itertools.count()
+    monkeypatch.setattr(sample, "decode_one_token",  # the first token fed decodes, later ones overflow
+                        lambda *args: real(*args) * (1.0 if next(fed) == 0 else torch.nan))
+    with pytest.raises(ValueError, match=r"^its logits are not finite \(its weights overflow\)$"):
+        sample.generate(model, torch.tensor([[1, 2]]), 6, temperature=temperature)
 
 
 def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
