@@ -383,7 +383,7 @@ def test_the_peak_measurement_waits_for_the_gpu_it_times(monkeypatch, device, mo
     """A GPU runs a matmul after `a @ a` has returned: every timed matmul sits between two
     synchronisations of the device (the matmuls run small, on the CPU; the calls are recorded); the
     peak: 2 n^3 FLOPs over the seconds of the fastest, in the run's dtype on its device."""
-    calls, made, clock = [], [], iter(k / 10 for k in range(100))  # 0.1 s more at every reading
+    calls, made, clock = [], [], iter(k / 10 for k in range(10, 100))  # 1 s, 1.1 s, 1.2 s...
     real_randn, real_matmul = torch.randn, torch.Tensor.__matmul__
     monkeypatch.setattr(module, "synchronize", lambda *device: calls.append("sync"))
     monkeypatch.setattr(torch, "randn", lambda *shape, device, dtype:
