@@ -242,7 +242,8 @@ def peak_flops(env, given=0.0):
 
 def block_params(mcfg):
     """Parameters of one block's weights (what one solver step multiplies with)."""
-    return sum(i * o + (o if b else 0) for i, o, b in block_shapes(mcfg).values()) + 4 * mcfg.n_embd
+    norms = 2 * mcfg.n_embd * (1 if mcfg.flavor == "llama" else 2)  # gains (GPT's: and biases)
+    return sum(i * o + (o if b else 0) for i, o, b in block_shapes(mcfg).values()) + norms
 
 
 def flops_per_token(mcfg, hyper_params, tokens_per_forward, steps=None):

@@ -21,6 +21,9 @@ if len(sys.argv) < 3 or not os.path.isfile(sys.argv[1]):
 source, tests = sys.argv[1], sys.argv[2:]
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the workers run side by side
 shutil.rmtree("mutants", ignore_errors=True)  # a run of another file left its own mutants there
+# tqdm's bars share a lock across forked processes: a mutant killed while holding it (a timeout)
+# would hang every later mutant that draws a bar. Each mutant's process keeps its own.
+__import__("tqdm").std.TqdmDefaultWriteLock.mp_lock = None
 
 from mutmut import configuration  # noqa: E402  (reads pyproject.toml at import)
 

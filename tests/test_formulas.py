@@ -51,6 +51,27 @@ def test_flops_per_token_is_three_forwards_of_an_independent_count():
     assert runlog.flops_per_token(mcfg, 0, B * T) == pytest.approx(training / (B * T), rel=0.02)  # same, roughly
 
 
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+def test_a_blocks_parameters_are_a_baseline_layers(flavor):
+    """block_params: what one solver step multiplies with, counted as a baseline's layer holds it
+    (Llama: no biases, RMSNorm's gain only)."""
+    mcfg = ModelConfig(model_type="baseline", flavor=flavor, vocab_size=96, block_size=16, n_layer=2,
+                       n_head=4, n_embd=32)
+    layer = DiffEqFormer(mcfg).layers[0]
+    assert runlog.block_params(mcfg) == sum(p.numel() for p in layer.parameters())
+
+
+def test_the_hypernetworks_flops_are_spread_over_the_tokens_of_a_generation():
+    """METHOD 7: 2 FLOPs per hypernetwork parameter per evaluation of F (rk4: 4 a step), forward,
+    spread over the tokens of one generation of the weights; none in a baseline."""
+    ode = ModelConfig(vocab_size=96, block_size=16, n_layer=3, n_head=4, n_embd=32, solver="rk4")
+    extra = runlog.flops_per_token(ode, 1000, 64, 6) - runlog.flops_per_token(ode, 0, 64, 6)
+    assert extra == pytest.approx(3 * 2 * 1000 * (6 * 4) / 64)
+    baseline = ModelConfig(model_type="baseline", vocab_size=96, block_size=16, n_layer=3, n_head=4,
+                           n_embd=32)
+    assert runlog.flops_per_token(baseline, 1000, 64) == runlog.flops_per_token(baseline, 0, 64)
+
+
 # -- 2. the GPT-like init (init="gpt") --------------------------------------------------------------------
 
 def assert_std(values, std, what):

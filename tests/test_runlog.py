@@ -171,11 +171,52 @@ def test_a_resumed_log_keeps_the_rows_up_to_its_checkpoint(tmp_path):
     evaluation, not the training rows a killed run wrote after it; a fresh run starts a new log."""
     log = tmp_path / "log.jsonl"
     rows = [dict(iter=3, loss=1.0), dict(iter=4, val_loss=2.0), dict(iter=4, loss=1.0), dict(iter=5, loss=1.0)]
-    log.write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+    log.write_text("".join(f"{json.dumps(r)}\n" for r in rows) + "\n")  # (a blank line: skipped)
     with make_run(tmp_path, 4, max_iters=9):
+        assert [json.loads(line) for line in open(log)] == rows[:2]
+    rows = [dict(iter=0, val_loss=3.0), dict(iter=1, val_loss=2.0), dict(iter=1, loss=1.0)]
+    log.write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+    with make_run(tmp_path, 1, max_iters=9):
         assert [json.loads(line) for line in open(log)] == rows[:2]
     with make_run(tmp_path, 0, max_iters=9):
         assert log.read_text() == ""
+
+
+def test_the_bar_counts_to_max_iters_on_the_first_process_only(tmp_path):
+    """The bar, named "train", counts a resumed run from its start to max_iters (whatever stop_at
+    says) and follows the terminal's width; other ranks draw none. Iterations: start..end, once."""
+    run = make_run(tmp_path, 3, max_iters=9, stop_at=6)
+    with run:
+        assert (run.bar.n, run.bar.total, run.bar.desc, run.bar.disable) == (3, 9, "train", False)
+        assert callable(run.bar.dynamic_ncols) and list(run.iterations()) == [3, 4, 5, 6]
+    rank1 = common.Env(torch.device("cpu"), torch.float32, rank=1, world_size=2)
+    with make_run(tmp_path, env=rank1) as run:
+        assert run.bar.disable is True
+
+
+def test_the_startup_summary_names_the_model_data_training_and_system(tmp_path):
+    """summary(): four lines; the hypernetwork's settings for a DiffEqFormer only, "processes" for
+    more than one, the parallelism under torchrun, compile and activation checkpointing when on."""
+    meta = dict(train_tokens=12345, val_tokens=678, vocab_size=50304, tokenizer="gpt2")
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    model = types.SimpleNamespace(cfg=ModelConfig(**TINY), num_params=lambda: 1_005_001)
+    cfg = train.TrainConfig(out_dir="out", learning_rate=6e-4, min_lr_ratio=0.1, max_iters=5000,
+                            batch_size=12, gradient_accumulation_steps=5, weight_decay=0.1)
+    env = common.Env(torch.device("cpu"), torch.float32)
+    assert runlog.summary(model, cfg, env, str(tmp_path)).split("\n") == [
+        "model     diffeq (gpt flavour), 1.01M parameters: 3 euler steps, width 32, 2 heads, "
+        "context 32, d_t 8, S 8, init reference, dropout 0.0",
+        f"data      {tmp_path}: 12,345 train and 678 val tokens (gpt2, vocabulary 50,304)",
+        "training  5,000 iterations of 1,920 tokens (12 sequences x 5 micro-steps), AdamW lr "
+        f"0.0006 -> 6e-05, betas ({cfg.beta1}, {cfg.beta2}), weight decay 0.1",
+        "system    cpu float32, 1 process; writing to out/"]
+    model.cfg = ModelConfig(**{**TINY, "model_type": "baseline", "checkpoint": True})
+    cfg.compile, cfg.parallel = True, "fsdp"
+    gpus = types.SimpleNamespace(world_size=2, distributed=True, device="cuda",
+                                 dtype=torch.bfloat16)
+    first, *_, system = runlog.summary(model, cfg, gpus, str(tmp_path)).split("\n")
+    assert first.endswith("context 32, dropout 0.0") and system == "system    cuda bfloat16, " \
+        "2 processes, fsdp, compiled, activation checkpointing; writing to out/"
 
 
 def test_a_resumed_run_with_nothing_left_says_so(tmp_path, capsys):
@@ -220,6 +261,23 @@ def test_each_checkpoint_holds_the_books_and_the_log_is_mirrored(tmp_path, books
     run.log.wandb = run.log.tensorboard = None
     run.log(dict(iter=4, loss=math.inf, val=math.nan))
     assert open(tmp_path / "log.jsonl").read().splitlines()[-1] == '{"iter": 4, "loss": null, "val": null}'
+
+
+def test_tensorboard_hides_what_earlier_runs_logged_on_rank_0_only(tmp_path, monkeypatch):
+    """TensorBoard's purge step: all of a fresh run's folder (0), a resumed run's after its
+    checkpoint; no writer without --tensorboard or on another rank. A resumed run keeps its wandb
+    run's id for its checkpoints, with wandb off too."""
+    import torch.utils.tensorboard
+    made = []
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", lambda log_dir, purge_step:
+                        made.append((log_dir, purge_step)) or Recorder())
+    rank1 = common.Env(torch.device("cpu"), torch.float32, rank=1, world_size=2)
+    for start, settings in ((0, dict(tensorboard=True)), (4, dict(tensorboard=True, max_iters=9)),
+                            (0, dict(extra=dict(wandb_id="abc"))),
+                            (0, dict(env=rank1, tensorboard=True))):
+        with make_run(tmp_path, start, **settings) as run:
+            assert run.log.wandb_id == run.extra.get("wandb_id")
+    assert made == [(str(tmp_path / "tensorboard"), 0), (str(tmp_path / "tensorboard"), 5)]
 
 
 def test_the_bar_shows_each_iteration_and_float16_logs_its_loss_scale(tmp_path, monkeypatch):

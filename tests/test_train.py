@@ -303,6 +303,11 @@ def test_mfu_peaks(monkeypatch):
     for dtype in (torch.float32, torch.float16):  # a CPU's shared cores, its emulated float16: no peak
         env = common.Env(torch.device("cpu"), dtype)
         assert runlog.peak_flops(env, given=3e11) == 3e11 and runlog.peak_flops(env) is None
+    asked = []  # a known GPU of the run's own, training in bf16: its table's peak, nothing measured
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device: asked.append(device) or "NVIDIA H100 PCIe")
+    gpu = torch.device("cuda", 1)
+    assert runlog.peak_flops(common.Env(gpu, torch.bfloat16)) == 756e12 and set(asked) == {gpu}
 
 
 # -- devices: CUDA, Apple silicon's GPU (MPS), the CPU --------------------------------------------
@@ -376,16 +381,19 @@ def test_torchrun_where_it_cannot_run_is_one_line(gpus, monkeypatch, cuda, mps, 
 @pytest.mark.parametrize("device,module,n", [("cuda", torch.cuda, 8192), ("mps", torch.mps, 4096)])
 def test_the_peak_measurement_waits_for_the_gpu_it_times(monkeypatch, device, module, n):
     """A GPU runs a matmul after `a @ a` has returned: every timed matmul sits between two
-    synchronisations of the device (the matmuls run small, on the CPU; the calls are recorded)."""
-    calls, sizes = [], []
+    synchronisations of the device (the matmuls run small, on the CPU; the calls are recorded); the
+    peak: 2 n^3 FLOPs over the seconds of the fastest, in the run's dtype on its device."""
+    calls, made, clock = [], [], iter(k / 10 for k in range(10, 100))  # 1 s, 1.1 s, 1.2 s...
     real_randn, real_matmul = torch.randn, torch.Tensor.__matmul__
     monkeypatch.setattr(module, "synchronize", lambda *device: calls.append("sync"))
-    monkeypatch.setattr(torch, "randn", lambda *shape, device, dtype: sizes.append(shape) or
-                        real_randn(8, 8, dtype=dtype))
+    monkeypatch.setattr(torch, "randn", lambda *shape, device, dtype:
+                        made.append((shape, device, dtype)) or real_randn(8, 8, dtype=dtype))
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append("matmul") or
                         real_matmul(a, b))
-    assert runlog.peak_flops(common.Env(torch.device(device), torch.float32)) > 0
-    assert sizes == [(n, n)] and len(calls) >= 3
+    monkeypatch.setattr(runlog, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    env = common.Env(torch.device(device), torch.float32)
+    assert runlog.peak_flops(env) == pytest.approx(2 * n ** 3 / 0.1)  # each matmul: 0.1 s
+    assert made == [((n, n), env.device, torch.float32)] and len(calls) >= 3
     assert calls == ["sync", "matmul", "sync"] * (len(calls) // 3)
 
 
