@@ -180,15 +180,23 @@ def check_space(model, out):
                         f"{need / 2 ** 20:,.1f} MiB: free some space or choose another --out")
 
 
+# what an export writes, in either format (the transformers one: the first six)
+FILES = ("README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+         "tokenizer_config.json", "model.py", "configuration_diffeqformer.py",
+         "modeling_diffeqformer.py")
+
+
 def check_out(out):
     """Refuse, before any work, a folder --out that holds files and is no earlier export (its
-    README.md begins with CARD): export.py would replace a user's own README.md, config.json or
-    model.py without a word. A run's lock files (common.lock's) are none of them."""
+    README.md begins with CARD and it holds only FILES): export.py would replace a user's own
+    README.md, config.json or model.py without a word, or push a user's notes beside an earlier
+    export to the Hub. A run's lock files (common.lock's) are none of them."""
     held = sorted(set(os.listdir(out)) - {".lock", ".lock.pid"}) if os.path.isdir(out) else []
     card = os.path.join(out, "README.md")
     if held and os.path.isfile(card):
         with open(card, errors="replace") as f:
-            held = [] if f.read(len(CARD)) == CARD else held
+            held = [name for name in held if name not in FILES] if f.read(len(CARD)) == CARD \
+                else held
     if held:
         raise UserError(f"--out={out} holds files that are not an export of this project "
                         f"({', '.join(held[:3])}{', ...' * (len(held) > 3)}): export into an empty "
@@ -210,6 +218,9 @@ def export(path, out, fmt="diffeqformer", name=None):
     # a training run's folder (common.lock's .lock): refused while the run goes on, held meanwhile
     held = common.lock(out, "out") if os.path.exists(os.path.join(out, ".lock")) else None
     try:
+        for name in FILES:  # an earlier export's, which the new one may not write (another format)
+            if os.path.isfile(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
         if fmt == "hf":
             hf_model.save_pretrained(out)
             hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)
