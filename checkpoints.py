@@ -158,8 +158,11 @@ def load(path, kind=MODEL, map_location="cpu"):
                         f"({type(e).__name__}); is it the right file?") from e
     found = ckpt.get("kind") if isinstance(ckpt, dict) else None
     if found not in kinds:
+        adapters = os.path.join(os.path.dirname(path), "adapters.pt")  # a fine-tuning run's own
+        way_out = f": use {adapters} (or merge it: finetune.py --merge={adapters})" \
+            if found == LORA_RUN else ""
         raise UserError(f"{path} holds a {found or 'foreign object'} checkpoint, not a "
-                        f"{' or '.join(kinds)} checkpoint")
+                        f"{' or '.join(kinds)} checkpoint{way_out}")
     ckpt.setdefault("tokenizer", "byte")  # the tokenizer of the first checkpoints, which lack it
     return check_finite(ckpt, path)
 

@@ -116,7 +116,7 @@ def test_a_lora_rank_above_the_weights_rank_is_one_line_before_the_data(tmp_path
             f"--out_dir={tmp_path / 'out'}", "--lora_targets=attn,fc"]
     for rank, smallest in ((33, 32), (100000, 32)):
         line = one_line(finetune.main, [*argv, f"--lora_rank={rank}"], capsys, monkeypatch)
-        assert line == f"error: lora_rank={rank} must be in 1..{smallest}, the narrowest side of " \
+        assert line == f"error: --lora_rank={rank} must be in 1..{smallest}, the narrowest side of " \
                        f"its weights"
     assert not (tmp_path / "data").exists()  # refused before the data
 

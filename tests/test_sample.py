@@ -1,5 +1,6 @@
 """Decoding with the KV cache (sample.generate) against recomputation, sampling filters, and sample.py."""
 import itertools
+import re
 import subprocess
 import sys
 import types
@@ -552,7 +553,9 @@ def test_logits_that_stop_being_finite_after_the_prompt_are_one_line(monkeypatch
 
 def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
     checkpoints.save(dict(kind=checkpoints.LORA_RUN), str(tmp_path / "run.pt"))
-    with pytest.raises(UserError, match=f"holds a {checkpoints.LORA_RUN} checkpoint, not a {checkpoints.MODEL}"):
+    adapters = tmp_path / "adapters.pt"  # the way out: the run's adapters, beside its state
+    with pytest.raises(UserError, match=f"holds a {checkpoints.LORA_RUN} checkpoint, not a {checkpoints.MODEL}.*"
+                                        + re.escape(f": use {adapters} (or merge it: finetune.py --merge={adapters})")):
         run_sample(capsys, tmp_path / "run.pt")
     layers = lora.add_lora(byte_model().materialize(3), rank=2)
     adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), str(tmp_path / "gone.pt"), "0" * 64, 3)
