@@ -181,8 +181,8 @@ def check_space(model, out):
 
 
 # what an export writes, in either format (the transformers one: the first six)
-FILES = ("README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-         "tokenizer_config.json", "model.py", "configuration_diffeqformer.py",
+FILES = ("README.md", "config.json", "generation_config.json", "model.safetensors",
+         "tokenizer.json", "tokenizer_config.json", "model.py", "configuration_diffeqformer.py",
          "modeling_diffeqformer.py")
 
 

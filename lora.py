@@ -58,7 +58,8 @@ def add_lora(model, rank=8, alpha=16.0, dropout=0.0, targets="all"):
     linears = lora_targets(model, targets)
     most = min(min(m.in_features, m.out_features) for m in linears.values())
     if rank > most:  # B A of a higher rank than W's own: adapters larger than the model, no gain
-        raise UserError(f"--lora_rank={rank} must be in 1..{most}, the narrowest side of its weights")
+        raise UserError(f"--lora_rank={rank} must be in 1..{most}, the narrowest side of its "
+                        f"weights")
     for p in model.parameters():
         p.requires_grad_(False)
     for m in linears.values():

@@ -846,7 +846,7 @@ def run_budget(cfg, out):
 
 def main(argv):
     cfg, _ = parse_config(argv, ReproduceConfig)
-    make_dir(cfg.runs, "runs")  # a file in the way, or a read-only folder: one line, before any work
+    make_dir(cfg.runs, "runs")  # a file in the way or a read-only folder: one line, before any work
     paper, budget = cfg.only in ("", "paper"), cfg.only in ("", "budget")
     datasets = ("shakespeare", "wikitext2_test") if paper else ()
     datasets += (BUDGET_DATASET,) if budget else ()
