@@ -218,9 +218,9 @@ def export(path, out, fmt="diffeqformer", name=None):
     # a training run's folder (common.lock's .lock): refused while the run goes on, held meanwhile
     held = common.lock(out, "out") if os.path.exists(os.path.join(out, ".lock")) else None
     try:
-        for name in FILES:  # an earlier export's, which the new one may not write (another format)
-            if os.path.isfile(os.path.join(out, name)):
-                os.remove(os.path.join(out, name))
+        for file in FILES:  # an earlier export's, which the new one may not write (another format)
+            if os.path.isfile(os.path.join(out, file)):
+                os.remove(os.path.join(out, file))
         if fmt == "hf":
             hf_model.save_pretrained(out)
             hf.transformers_tokenizer(tokenizer, model.cfg.block_size).save_pretrained(out)

@@ -105,7 +105,9 @@ def test_a_gpt_flavour_input_past_the_context_gives_the_last_positions_logits(
         window, _ = ours(idx[:, -block:])
         first, _ = ours(idx[:, :block])
     assert not torch.allclose(logits[:, -1], first[:, -1])
-    torch.testing.assert_close(logits[:, -1], window[:, -1], rtol=0, atol=0)
+    # to float32's rounding: the windows run as one batch of their own, whose matmuls may take
+    # other kernels than a batch of 2 (with 2 threads: 1.8e-7 apart; with 1, bit for bit)
+    torch.testing.assert_close(logits[:, -1], window[:, -1], rtol=0, atol=1e-6)
     if logits.size(1) == block:  # the window's every position
         torch.testing.assert_close(logits, window, rtol=0, atol=0)
 
