@@ -211,8 +211,6 @@ def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(sa
     first = (tmp_path / "exp" / "model.safetensors").read_bytes()
     export.export(saved["llama"], str(tmp_path / "exp"))  # over an earlier export: another model
     assert (tmp_path / "exp" / "model.safetensors").read_bytes() != first
-    export.export(saved["gpt"], str(tmp_path / "exp"), fmt="hf")  # another format: none of its code left
-    assert sorted(os.listdir(tmp_path / "exp")) == sorted(export.FILES[:6])
     (tmp_path / "exp" / "notes.txt").write_text("mine\n")  # a user's file beside an export: kept, refused
     with pytest.raises(UserError, match=r"not an export of this project \(notes.txt\)"):
         export.export(saved["gpt"], str(tmp_path / "exp"))
@@ -220,6 +218,15 @@ def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(sa
     (tmp_path / "exp" / "README.md").write_text("# my notes\n")  # its card replaced: no export now
     with pytest.raises(UserError, match="not an export of this project"):
         export.export(saved["gpt"], str(tmp_path / "exp"))
+
+
+def test_an_export_over_one_of_the_other_format_leaves_none_of_its_files(saved, tmp_path):
+    """--format=hf over a diffeqformer export left its model.py and remote code behind (and
+    --push_to_hub uploaded them): an earlier export is replaced whole."""
+    pytest.importorskip("transformers", reason="--format=hf: pip install -r requirements-eval.txt")
+    export.export(saved["gpt"], str(tmp_path / "exp"))
+    export.export(saved["gpt"], str(tmp_path / "exp"), fmt="hf")
+    assert sorted(os.listdir(tmp_path / "exp")) == sorted(export.FILES[:6])
 
 
 def test_a_folder_with_broken_weights_is_one_line(saved, tmp_path):

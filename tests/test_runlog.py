@@ -267,6 +267,7 @@ def test_tensorboard_hides_what_earlier_runs_logged_on_rank_0_only(tmp_path, mon
     """TensorBoard's purge step: all of a fresh run's folder (0), a resumed run's after its
     checkpoint; no writer without --tensorboard or on another rank. A resumed run keeps its wandb
     run's id for its checkpoints, with wandb off too."""
+    pytest.importorskip("tensorboard", reason="pip install tensorboard")  # torch.utils.tensorboard's
     import torch.utils.tensorboard
     made = []
     monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", lambda log_dir, purge_step:
