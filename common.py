@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import ConfigError, UserError, make_dir, written
+from configurator import RUN_FILES, ConfigError, UserError, make_dir, written
 
 # -- processes and devices -------------------------------------------------------------------------
 
@@ -186,7 +186,8 @@ def lock(out_dir, flag="out_dir"):
     """Claim out_dir (which --{flag} names) for this run: a lock on out_dir/.lock through filelock
     (flock on Linux and macOS, msvcrt on Windows), held until release() or the end of the process,
     so that a killed run leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a
-    run that is refused. Then remove the temporary files that a killed run left behind."""
+    run that is refused. Then remove the temporary files that a killed run left behind: those of
+    the files a run writes (RUN_FILES, .lock.pid), by their exact names, never a user's *.tmp."""
     make_dir(out_dir, flag)
     held = filelock.FileLock(os.path.join(out_dir, ".lock"), timeout=0)  # 0: one try, no waiting
     pid_file = os.path.join(out_dir, ".lock.pid")
@@ -205,8 +206,9 @@ def lock(out_dir, flag="out_dir"):
     except UserError:
         held.release()
         raise
-    for name in os.listdir(out_dir):
-        if re.search(r"\.tmp\d*$", name):  # what save() and RunLog write before renaming
+    for name in os.listdir(out_dir):  # FILE.tmp (written(), RunLog) or FILE.tmpPID (save())
+        temporary = re.fullmatch(r"(.+)\.tmp\d*", name)
+        if temporary and temporary.group(1) in (*RUN_FILES, ".lock.pid"):
             os.remove(os.path.join(out_dir, name))
     return held
 

@@ -217,6 +217,22 @@ def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
     common.lock(str(tmp_path / "out")).release()  # free again once the holder is gone
 
 
+def test_claiming_an_out_dir_removes_a_killed_runs_temporaries_by_name_and_never_a_users_tmp_files(tmp_path):
+    """common.lock removes what a killed run of this project left half written (FILE.tmp of written() and
+    RunLog, FILE.tmpPID of checkpoints.save, for the files a run writes); it removed every *.tmp* of the folder,
+    a user's draft in a folder named as out_dir too (`--out_dir=notes`, `--out_dir=.`)."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    ours = ["ckpt.pt.tmp4242", "adapters.pt.tmp7", "merged.pt.tmp12", "log.jsonl.tmp", "loss.png.tmp",
+            ".lock.pid.tmp"]
+    users = ["thesis.tmp", "backup.tmp1", "todo.tmp", "ckpt.tmp", "notes.tmpl", "ckpt.pt.tmpx"]
+    for name in ours + users:
+        (out / name).write_text("half written" if name in ours else "the user's own file")
+    common.lock(str(out)).release()
+    assert sorted(os.listdir(out)) == sorted([".lock", ".lock.pid", *users])
+    assert all((out / name).read_text() == "the user's own file" for name in users)
+
+
 TINY_ARGS = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
              "--batch_size=4", "--eval_iters=2"]
 AS_ON_WINDOWS = ("import os, warnings; sys.modules['fcntl'] = None; del os.sysconf; "  # neither
