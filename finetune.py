@@ -42,7 +42,8 @@ class FinetuneConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: str = "all"  # linears to adapt (attn, proj, fc, fc2 / gate, up, down), or all
-    merge: str = ""  # an adapters file to merge into its base checkpoint, instead of training
+    merge: str = ""  # an adapters file to merge into its base checkpoint, instead of training:
+                     # merged.pt beside it (--overwrite replaces an earlier one)
     merge_base: str = ""  # with --merge: the base checkpoint, if it moved since the adapters' run
 
     def __post_init__(self):
@@ -69,10 +70,20 @@ def merged_checkpoint(model, base_ckpt, extra):
             "tokenizer": base_ckpt.get("tokenizer", "byte"), "iter_num": 0, "best_val_loss": None}
 
 
-def merge_file(path, base_path=None):
-    """adapters.pt + its base checkpoint -> merged.pt beside it: an ordinary checkpoint."""
-    model, base_ckpt = checkpoints.load_model(path, merge_base=base_path, kind=checkpoints.ADAPTERS)
+def merge_file(path, base_path=None, overwrite=False):
+    """adapters.pt + its base checkpoint -> merged.pt beside it: an ordinary checkpoint. Never over
+    the adapters or their base (a merge of round 2's adapters beside round 1's merged.pt, their
+    base), and over an earlier merged.pt only with --overwrite: refused before the merge."""
     out = os.path.join(os.path.dirname(os.path.abspath(path)), "merged.pt")
+    base = base_path or checkpoints.load(path, kind=checkpoints.ADAPTERS).get("base_checkpoint")
+    for what, kept in (("the adapters", path), ("their base", base)):
+        if kept and os.path.realpath(kept) == os.path.realpath(out):
+            raise UserError(f"--merge={path} would write {out} over {what}: move the adapters file "
+                            f"into a folder of its own and merge it there (it records its base)")
+    if os.path.exists(out) and not overwrite:
+        raise UserError(f"--merge={path} would write over {out}, an earlier merge: --overwrite "
+                        f"replaces it, or move it away first")
+    model, base_ckpt = checkpoints.load_model(path, merge_base=base_path, kind=checkpoints.ADAPTERS)
     merged = merged_checkpoint(model, base_ckpt, dict(merged_from=os.path.abspath(path)))
     checkpoints.save(merged, out)
     return out
@@ -83,7 +94,7 @@ def merge_file(path, base_path=None):
 def check_options(mcfg, fcfg, cfg, given):
     """What the command line alone decides, before any data or model work."""
     if fcfg.merge:  # refused rather than ignored: a user who gives --steps expects it to count
-        ignored = sorted(given - {"merge", "merge_base"})
+        ignored = sorted(given - {"merge", "merge_base", "overwrite"})
         if ignored:
             raise ConfigError(f"--merge folds adapters into their base with the settings "
                               f"recorded in the adapters file, and trains nothing: it would ignore "
@@ -118,7 +129,7 @@ def main(argv):
                                           default_file=DEFAULT_CONFIG)
     cfg = check_options(mcfg, fcfg, cfg, given)
     if fcfg.merge:
-        print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
+        print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None, cfg.overwrite)}")
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")

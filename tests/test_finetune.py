@@ -1,5 +1,6 @@
 """finetune.py: materialise + LoRA is exact at init, trains only adapters, merges, and runs end to end."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -287,6 +288,49 @@ def test_merge_refuses_a_checkpoint_without_adapters_and_the_settings_it_would_i
                                           "adapters file, and trains nothing: it would ignore --lora_rank, "
                                           "--max_iters, --steps; leave them out$"):
         finetune.main([f"--merge={path}", "--lora_rank=64", "--steps=12", "--max_iters=5", "--merge_base=x.pt"])
+
+
+def adapters_beside(base, path, steps=3):
+    """A LoRA adapters file at `path` on the checkpoint `base` (B random: a merge changes the weights)."""
+    layers = lora.add_lora(lora.at_depth(checkpoints.load_model(str(base))[0], steps, str(base)), rank=2)
+    with torch.no_grad():
+        for name, p in layers.named_parameters():
+            if name.endswith(".lora_B"):
+                p.normal_(0.0, 0.1)
+    fcfg = finetune.FinetuneConfig(lora_rank=2)
+    checkpoints.save(finetune.adapters_file(layers, fcfg, str(base), checkpoints.file_hash(str(base)), steps), str(path))
+    return str(path)
+
+
+def test_merge_never_writes_over_the_adapters_base_nor_an_earlier_merge_without_overwrite(tmp_path, monkeypatch):
+    """--merge=DIR/X.pt wrote DIR/merged.pt over whatever was there: round 2's adapters, fine-tuned from round 1's
+    DIR/merged.pt and kept beside it, replaced their own base (round 1's model lost, round 2's adapters refused
+    since). Their base is refused whatever --overwrite says, an earlier merge without --overwrite, before the
+    merge begins; --overwrite replaces an earlier merge."""
+    ode, ch = random_ode(), tmp_path / "ch"
+    ch.mkdir()
+    base = ch / "base.pt"
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(base))
+    round1 = adapters_beside(base, ch / "adapters.pt")
+    assert finetune.merge_file(round1) == str(ch / "merged.pt")
+    round2 = adapters_beside(ch / "merged.pt", ch / "adapters-round2.pt")
+    before = (ch / "merged.pt").read_bytes()
+    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
+    for overwrite in ([], ["--overwrite"]):
+        with pytest.raises(UserError, match=f"^--merge={round2} would write {ch / 'merged.pt'} over their base: move "
+                                            f"the adapters file into a folder of its own and merge it there"):
+            finetune.main([f"--merge={round2}", *overwrite])
+    with pytest.raises(UserError, match=f"^--merge={round1} would write over {ch / 'merged.pt'}, an earlier merge: "
+                                        f"--overwrite replaces it, or move it away first$"):
+        finetune.main([f"--merge={round1}"])
+    assert (ch / "merged.pt").read_bytes() == before and sorted(os.listdir(ch)) == [
+        "adapters-round2.pt", "adapters.pt", "base.pt", "merged.pt"]
+    monkeypatch.undo()
+    os.replace(ch / "merged.pt", tmp_path / "round1.pt")  # round 2's base, moved away: merged with --merge_base
+    finetune.main([f"--merge={round2}", f"--merge_base={tmp_path / 'round1.pt'}"])
+    merged = checkpoints.load(str(ch / "merged.pt"))
+    finetune.main([f"--merge={round1}", "--overwrite"])  # round 1's merge again, over round 2's: asked for
+    assert checkpoints.load(str(ch / "merged.pt"))["merged_from"] == round1 != merged["merged_from"]
 
 
 @pytest.mark.parametrize("argv,message", [
