@@ -89,7 +89,8 @@ def check_out_dir(cfg):
     """Refuse, before anything is written, an out_dir whose files would replace the checkpoint the
     run starts from (whatever --overwrite says), and a new run in an out_dir that holds a run (any
     of RUN_FILES): it would be replaced without a word. --init_from=resume continues it,
-    --overwrite starts over (as transformers' --overwrite_output_dir)."""
+    --overwrite starts over (as transformers' --overwrite_output_dir; runlog.start_over removes
+    the earlier run's files as the new run begins)."""
     files = [os.path.join(cfg.out_dir, name) for name in RUN_FILES]
     if cfg.init_from != "resume" and os.path.exists(cfg.init_from) and os.path.realpath(
             cfg.init_from) in map(os.path.realpath, [cfg.out_dir, *files]):
@@ -99,7 +100,7 @@ def check_out_dir(cfg):
     if held and cfg.init_from != "resume" and not cfg.overwrite:
         raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
                         f"--init_from=resume, write elsewhere with another --out_dir, or start "
-                        f"over with --overwrite (which replaces its checkpoint and log)")
+                        f"over with --overwrite (which removes its files first)")
 
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # full, over quota, read-only

@@ -8,6 +8,7 @@ a token (METHOD 7) times tokens/s over the device's peak.
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict
 
@@ -18,7 +19,7 @@ from tqdm import tqdm
 import common
 import plots
 import prepare
-from configurator import Diverged
+from configurator import RUN_FILES, Diverged
 from model import block_shapes, evaluations
 from scale import parallel, resume
 
@@ -44,6 +45,8 @@ class Run:
         self.per_generation = self.tokens // env.world_size if parallel.generates_once(raw, cfg) \
             else cfg.batch_size * raw.cfg.block_size
         self.peak = peak_flops(env, cfg.peak_flops)  # one device's, or None: no MFU on a CPU
+        if cfg.overwrite and env.master:  # before the new run writes anything of its own
+            start_over(cfg.out_dir)
         self.log = RunLog(cfg, start, env.master, {**asdict(cfg), **raw.cfg.to_dict()},
                           extra.get("wandb_id"))
         self.interrupt = common.Interrupt(env, cfg.out_dir)
@@ -127,6 +130,17 @@ class Run:
                 f"as it was: --init_from=resume goes on from it (a lower --learning_rate may avoid "
                 f"this)" if self.saved is not None else "no checkpoint was saved before it")
         return Diverged(f"training diverged: the {what} is {value} at iteration {it}; {last}")
+
+
+def start_over(out_dir):
+    """--overwrite: remove every file the earlier run in out_dir wrote (RUN_FILES), so that none of
+    them (its adapters, a merge, its results) passes for the new run's in sample.py or an export."""
+    for name in RUN_FILES:
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):  # ckpt_sharded/, tensorboard/
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
 
 
 class RunLog:

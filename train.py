@@ -49,8 +49,8 @@ class TrainConfig:
     init_from: str = "scratch"  # "scratch", "resume" (from out_dir), or a checkpoint, a folder,
                                 # gpt2 / gpt2-medium / gpt2-large / gpt2-xl (OpenAI's weights)
                                 # or a Hub id to start from
-    overwrite: bool = False  # start a new run in an out_dir that holds a run, whose checkpoint
-                             # and log the new run replaces (without it such an out_dir is refused)
+    overwrite: bool = False  # start a new run in an out_dir that holds a run, whose files the
+                             # new run removes first (without it such an out_dir is refused)
     eval_interval: int = 200
     eval_iters: int = 20
     log_interval: int = 10

@@ -284,8 +284,8 @@ def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anythi
     for main, argv in ((train.main, again), (finetune.main, finetune_again)):
         line = one_line(main, argv, capsys, monkeypatch)
         assert line == (f"error: {tmp_path / 'out'} holds a run (ckpt.pt): continue it with --init_from=resume, "
-                        f"write elsewhere with another --out_dir, or start over with --overwrite (which replaces "
-                        f"its checkpoint and log)")
+                        f"write elsewhere with another --out_dir, or start over with --overwrite (which removes "
+                        f"its files first)")
     assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
     assert not (tmp_path / "data2").exists()  # refused before the data
     line = one_line(train.main, [*again, "--overwrite", "--init_from=resume"], capsys, monkeypatch)
@@ -293,6 +293,23 @@ def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anythi
     train.main([*again, "--overwrite"])
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 4
     assert [json.loads(r)["iter"] for r in open(tmp_path / "out" / "log.jsonl") if "val_loss" in r] == [0, 2, 4]
+
+
+def test_overwrite_removes_every_file_the_earlier_run_wrote(tmp_path, shakespeare):
+    """--overwrite left the earlier run's adapters.pt and merged.pt (and results.json, ckpt_sharded/,
+    tensorboard/) beside the new run's files: `sample.py --init_from=out/adapters.pt` sampled the old adapters,
+    and an export paired them with the new run's card. Starting over removes them all; a user's file stays."""
+    out = tmp_path / "out"
+    for name in ("tensorboard", "ckpt_sharded"):
+        (out / name).mkdir(parents=True)
+        (out / name / "events").write_bytes(b"the earlier run's")
+    for name in ("ckpt.pt", "adapters.pt", "merged.pt", "results.json", "log.jsonl", "loss.png", "notes.txt"):
+        (out / name).write_bytes(b"the earlier run's")
+    train.main([*TINY_ARGS, "--max_iters=2", "--eval_interval=2", f"--input_file={shakespeare}", f"--out_dir={out}",
+                f"--data_root={tmp_path / 'data'}", "--overwrite"])
+    assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "ckpt.pt", "log.jsonl", "loss.png", "notes.txt"]
+    assert checkpoints.load(str(out / "ckpt.pt"))["iter_num"] == 2 and (out / "notes.txt").read_bytes() == b"the earlier run's"
+    assert [json.loads(r)["iter"] for r in open(out / "log.jsonl") if "val_loss" in r] == [0, 2]
 
 
 def past_the_check(*args):
