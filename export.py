@@ -180,7 +180,9 @@ def check_space(model, out):
                         f"{need / 2 ** 20:,.1f} MiB: free some space or choose another --out")
 
 
-# what an export writes, in either format (the transformers one: the first six)
+# what an export writes, in either format (the transformers one: the first six), and the lock it
+# holds meanwhile, as a run does (common.lock), which stays and is no file of the model
+LOCK_FILES = [".lock", ".lock.pid"]
 FILES = ("README.md", "config.json", "generation_config.json", "model.safetensors",
          "tokenizer.json", "tokenizer_config.json", "model.py", "configuration_diffeqformer.py",
          "modeling_diffeqformer.py")
@@ -191,7 +193,7 @@ def check_out(out):
     README.md begins with CARD and it holds only FILES): export.py would replace a user's own
     README.md, config.json or model.py without a word, or push a user's notes beside an earlier
     export to the Hub. A run's lock files (common.lock's) are none of them."""
-    held = sorted(set(os.listdir(out)) - {".lock", ".lock.pid"}) if os.path.isdir(out) else []
+    held = sorted(set(os.listdir(out)) - set(LOCK_FILES)) if os.path.isdir(out) else []
     card = os.path.join(out, "README.md")
     if held and os.path.isfile(card):
         with open(card, errors="replace") as f:
@@ -215,8 +217,9 @@ def export(path, out, fmt="diffeqformer", name=None):
         hf_model = hf.to_transformers(model, tokenizer)  # refused before the folder is made
     make_dir(out, "out")
     check_space(model, out)
-    # a training run's folder (common.lock's .lock): refused while the run goes on, held meanwhile
-    held = common.lock(out, "out") if os.path.exists(os.path.join(out, ".lock")) else None
+    # the folder's lock, as a run takes it (common.lock): refused while a run or another export
+    # writes into it, held meanwhile (two exports at once into a new folder both said they wrote it)
+    held = common.lock(out, "out")
     try:
         for file in FILES:  # an earlier export's, which the new one may not write (another format)
             if os.path.isfile(os.path.join(out, file)):
@@ -230,18 +233,19 @@ def export(path, out, fmt="diffeqformer", name=None):
             f.write(model_card(model, tokenizer, facts, path, fmt, name or out))
         umask_mode(out)
     finally:
-        if held:
-            held.release()
+        held.release()
     return model
 
 
 def push(out, repo_id):
-    """Upload the folder to the Hub (a network and a token: `hf auth login`)."""
+    """Upload the folder, its lock files left out, to the Hub (a network and a token: `hf auth
+    login`)."""
     from huggingface_hub import HfApi
     try:
         api = HfApi()
         api.create_repo(repo_id, exist_ok=True)
-        return api.upload_folder(folder_path=out, repo_id=repo_id).commit_url
+        done = api.upload_folder(folder_path=out, repo_id=repo_id, ignore_patterns=LOCK_FILES)
+        return done.commit_url
     except Exception as e:  # no network, no token, no rights: one line
         raise UserError(f"could not push {out} to the Hub as {repo_id} ({type(e).__name__}); "
                         f"offline, or not logged in (`hf auth login`)?") from None
@@ -253,7 +257,7 @@ def main(argv):
     kind = "transformers" if cfg.format == "hf" else "diffeqformer"
     print(f"{cfg.init_from}: {model.cfg.model_type} ({model.cfg.flavor}), "
           f"{model.num_params():,} parameters -> {cfg.out}/ ({kind} format: "
-          f"{', '.join(sorted(os.listdir(cfg.out)))})")
+          f"{', '.join(sorted(set(os.listdir(cfg.out)) - set(LOCK_FILES)))})")
     if cfg.push_to_hub:
         print(f"pushed to the Hub: {push(cfg.out, cfg.push_to_hub)}")
 

@@ -190,6 +190,29 @@ def test_an_export_into_the_folder_of_a_run_that_goes_on_is_refused(saved, tmp_p
     common.lock(out).release()  # and let go of it after
 
 
+def test_two_exports_at_once_into_one_new_folder_the_second_is_refused(saved, tmp_path, monkeypatch, capsys):
+    """Two export.py at once into one new folder both said they wrote it, and it held the second model only: an
+    export takes the folder's lock as a run does, and a second one meanwhile is refused in one line before it
+    writes; the first one's model is the folder's. The lock's files are no file of the export: its listing
+    leaves them out (and so does --push_to_hub)."""
+    from test_faults import one_line
+    out, real = str(tmp_path / "new"), export.save_folder
+
+    def while_writing(model, tokenizer, folder, facts):
+        monkeypatch.setattr(export, "save_folder", lambda *a: pytest.fail("work began"))
+        line = one_line(export.main, [f"--init_from={saved['llama']}", f"--out={folder}"], capsys, monkeypatch)
+        assert line == (f"error: {out} is in use by a run that is still going (pid {os.getpid()}); wait for it to "
+                        f"finish or choose another --out")
+        assert sorted(os.listdir(folder)) == export.LOCK_FILES  # the second wrote nothing
+        real(model, tokenizer, folder, facts)
+    monkeypatch.setattr(export, "save_folder", while_writing)
+    monkeypatch.setattr(sys, "argv", ["export.py", f"--init_from={saved['gpt']}", f"--out={out}"])
+    run_main(export.main)
+    assert checkpoints.load_model(out)[0].cfg.flavor == "gpt"
+    assert "(diffeqformer format: README.md, config.json, " in capsys.readouterr().out
+    common.lock(out).release()  # let go of after the export
+
+
 def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(saved, tmp_path, capsys,
                                                                                monkeypatch):
     """export.py --out=D, where D held the user's own README.md and model.py, replaced both without a word:
@@ -226,7 +249,7 @@ def test_an_export_over_one_of_the_other_format_leaves_none_of_its_files(saved, 
     pytest.importorskip("transformers", reason="--format=hf: pip install -r requirements-eval.txt")
     export.export(saved["gpt"], str(tmp_path / "exp"))
     export.export(saved["gpt"], str(tmp_path / "exp"), fmt="hf")
-    assert sorted(os.listdir(tmp_path / "exp")) == sorted(export.FILES[:6])
+    assert sorted(os.listdir(tmp_path / "exp")) == sorted([*export.LOCK_FILES, *export.FILES[:6]])
 
 
 def test_a_folder_with_broken_weights_is_one_line(saved, tmp_path):
