@@ -85,12 +85,32 @@ RUN_FILES = ("ckpt.pt", "ckpt_sharded", "adapters.pt", "merged.pt", "results.jso
              "loss.png", "tensorboard")
 
 
+# the repository's own folders (what a clone holds; out*/ and runs/ are the runs'): no run or
+# export writes into them, nor into the repository's root
+OWN_FOLDERS = (".ci", "assets", "config", "data", "docs", "experiments", "remote", "results",
+               "scale", "tests")
+
+
+def check_own_folder(path, flag):
+    """Refuse a folder --{flag} names that holds the project's own files: the repository's root or
+    one of OWN_FOLDERS (data/: the shipped corpora and the prepared data), by any path. A run wrote
+    its ckpt.pt, log.jsonl, loss.png and lock among them (`--out_dir=.`, `--out_dir=data`)."""
+    real, root = os.path.realpath(path), os.path.realpath(ROOT)
+    inside = [name for name in OWN_FOLDERS if (real + os.sep).startswith(
+        os.path.join(root, name, ""))]  # the folder itself, or one within it
+    if real == root or inside:
+        what = f"in the repository's {inside[0]}/" if inside else "the repository's root"
+        raise UserError(f"--{flag}={path} is {what}, whose files are the project's own: choose "
+                        f"another --{flag} (out-NAME, say)")
+
+
 def check_out_dir(cfg):
     """Refuse, before anything is written, an out_dir whose files would replace the checkpoint the
     run starts from (whatever --overwrite says), and a new run in an out_dir that holds a run (any
     of RUN_FILES): it would be replaced without a word. --init_from=resume continues it,
     --overwrite starts over (as transformers' --overwrite_output_dir; runlog.start_over removes
-    the earlier run's files as the new run begins)."""
+    the earlier run's files as the new run begins). A folder of the project's own: refused."""
+    check_own_folder(cfg.out_dir, "out_dir")
     files = [os.path.join(cfg.out_dir, name) for name in RUN_FILES]
     if cfg.init_from != "resume" and os.path.exists(cfg.init_from) and os.path.realpath(
             cfg.init_from) in map(os.path.realpath, [cfg.out_dir, *files]):

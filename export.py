@@ -30,7 +30,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from configurator import UserError, make_dir, parse_config, run_main
+from configurator import UserError, check_own_folder, make_dir, parse_config, run_main
 import checkpoints
 import common
 import hf
@@ -192,7 +192,9 @@ def check_out(out):
     """Refuse, before any work, a folder --out that holds files and is no earlier export (its
     README.md begins with CARD and it holds only FILES): export.py would replace a user's own
     README.md, config.json or model.py without a word, or push a user's notes beside an earlier
-    export to the Hub. A run's lock files (common.lock's) are none of them."""
+    export to the Hub. A run's lock files (common.lock's) are none of them. A folder of the
+    repository's own (check_own_folder): refused, even empty."""
+    check_own_folder(out, "out")
     held = sorted(set(os.listdir(out)) - set(LOCK_FILES)) if os.path.isdir(out) else []
     card = os.path.join(out, "README.md")
     if held and os.path.isfile(card):

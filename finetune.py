@@ -129,7 +129,8 @@ def main(argv):
                                           default_file=DEFAULT_CONFIG)
     cfg = check_options(mcfg, fcfg, cfg, given)
     if fcfg.merge:
-        print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None, cfg.overwrite)}")
+        merged = merge_file(fcfg.merge, fcfg.merge_base or None, cfg.overwrite)
+        print(f"merged checkpoint: {merged}")
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")

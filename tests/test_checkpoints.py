@@ -316,6 +316,54 @@ def past_the_check(*args):
     raise AssertionError("past the check of out_dir: the run would claim it")
 
 
+@pytest.mark.parametrize("out_dir,what", [
+    (".", "the repository's root"), (ROOT, "the repository's root"), ("data", "in the repository's data/"),
+    ("data/tinyshakespeare", "in the repository's data/"), ("data/new", "in the repository's data/"),
+    ("config", "in the repository's config/"), ("scale", "in the repository's scale/"),
+    ("remote/", "in the repository's remote/"), ("tests/eval_task", "in the repository's tests/")])
+def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anything_is_written(
+        tmp_path, capsys, monkeypatch, out_dir, what):
+    """--out_dir=. and --out_dir=data were accepted: a run wrote ckpt.pt, log.jsonl, loss.png and its lock into
+    the repository's root or among the shipped corpora. One rule (configurator.check_own_folder) for train.py,
+    finetune.py and export.py, before the lock or the data; a folder beside them is any user's."""
+    from test_faults import one_line
+    import export
+    import finetune
+    before = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    base = tmp_path / "base.pt"
+    base.write_bytes(b"a base checkpoint")  # refused before it is read
+    monkeypatch.setattr(common, "lock", past_the_check)
+    monkeypatch.setattr(checkpoints, "load_model", past_the_check)
+    expected = f"is {what}, whose files are the project's own: choose another"
+    for main, argv in ((train.main, [f"--out_dir={out_dir}"]), (export.main, [f"--out={out_dir}"]),
+                       (finetune.main, ["--steps=2", f"--init_from={base}", f"--out_dir={out_dir}"])):
+        line = one_line(main, [*argv, f"--data_root={tmp_path / 'data'}"] * (main != export.main) or argv, capsys,
+                        monkeypatch)
+        assert line.startswith(f"error: --{argv[-1][2:].partition('=')[0]}={out_dir} {expected}"), line
+    assert (sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None) == before
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("out_dir", ["out", "out-test/data", "data-old", "configs", "../data"])
+def test_a_folder_beside_the_projects_own_is_accepted_as_out_dir(out_dir):
+    """At the rule's bounds: a folder in the repository's root but none of its own, one whose name begins like
+    data/ or config/, one named like them elsewhere, are a user's to choose (the check creates nothing)."""
+    from configurator import check_own_folder
+    check_own_folder(out_dir, "out_dir")
+    assert not os.path.exists(out_dir) or out_dir in ("out", "../data")
+
+
+def test_the_projects_own_folders_are_every_folder_it_ships():
+    """configurator.OWN_FOLDERS names every folder of the repository that git tracks: a new one is refused as a
+    run's or an export's folder once it is added there."""
+    import configurator
+    done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = {path.split("/")[0] for path in done.stdout.splitlines() if "/" in path}
+    assert tracked == set(configurator.OWN_FOLDERS)
+
+
 @pytest.mark.parametrize("name", ["ckpt.pt", "ckpt_sharded", "adapters.pt", "merged.pt", "results.json",
                                   "log.jsonl", "loss.png", "tensorboard"])
 def test_every_file_a_run_leaves_marks_its_folder_as_holding_a_run(tmp_path, capsys, monkeypatch, name):
