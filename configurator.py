@@ -364,7 +364,8 @@ def run_main(main):
     """Run a script's main(), turning the errors a user can fix into one line on stderr (a full
     disk, a quota or a read-only file system too, wherever a file is written), and Ctrl-C into one
     line and status 130 wherever it comes (a process started in the background by a shell inherits
-    SIGINT ignored: Ctrl-C is made to stop it all the same)."""
+    SIGINT ignored: Ctrl-C is made to stop it all the same), and a closed stdout into a quiet end
+    with status 141, as a Unix tool's (`python sample.py | head`)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main(sys.argv[1:])
@@ -372,6 +373,9 @@ def run_main(main):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"stopped by Ctrl-C{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # stdout closed early (`python sample.py | head`): quiet, as Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes it at exit
+        sys.exit(128 + 13)  # 141, a shell's status of a tool that SIGPIPE (13) stopped
     except OSError as e:
         if e.errno not in DISK_ERRORS:
             raise

@@ -303,6 +303,22 @@ def test_resuming_a_finished_run_says_so(tmp_path, shakespeare, capsys):
     assert open(tmp_path / "out" / "log.jsonl").read() == log  # nothing rewritten
 
 
+def test_a_closed_stdout_ends_a_script_quietly_as_a_unix_tool(tmp_path):
+    """`python sample.py ... | head -c 10`: a BrokenPipeError traceback (EPIPE is no disk error). A reader that
+    has gone ends the script without a word, with a shell's status of a tool that SIGPIPE stopped (141)."""
+    from test_sample import byte_model, save_model
+    path = save_model(tmp_path / "m.pt", byte_model())
+    read, write = os.pipe()
+    os.close(read)  # `head` has read what it wanted and gone
+    try:
+        done = subprocess.run([sys.executable, "sample.py", f"--init_from={path}", "--device=cpu",
+                               "--max_new_tokens=5"], cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=120, env=ENV)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, ""), done.stderr[-2000:]
+
+
 def test_a_module_run_as_a_script_says_what_it_is():
     done = subprocess.run([sys.executable, "hf.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("error: hf.py is a module, not a script")
