@@ -18,6 +18,7 @@ Differences from nanoGPT: one script for every dataset, byte tokens as well as t
 meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
 """
 import dataclasses
+import io
 import json
 import os
 import socket
@@ -96,10 +97,16 @@ def get_tokenizer(name, choosable=False):
                                 f" (the model was trained on {name} tokens)")) from e
 
 
+MAX_PROMPT_BYTES = 2 ** 20  # 1 MiB: up to a million tokens, which sample.py feeds one by one past
+# the context (over an hour on a 2-core CPU, as its --max_new_tokens bound); analyze.py reads one
+# context. A file past it (FILE:/dev/zero never ends) is refused, read no further.
+
+
 def read_prompt(start):
     """A prompt's text: `start` itself, or what the file that FILE:path names holds (sample.py's
-    --start, analyze.py's --prompt): any readable file, a pipe such as /dev/stdin too. A UTF-8
-    byte-order mark at its start (Windows' Notepad writes one) is no part of the text."""
+    --start, analyze.py's --prompt): any readable file, a pipe such as /dev/stdin too, of at most
+    MAX_PROMPT_BYTES. A UTF-8 byte-order mark at its start (Windows' Notepad writes one) is no part
+    of the text."""
     if not start.startswith("FILE:"):
         return start
     path = start[len("FILE:"):]
@@ -108,12 +115,18 @@ def read_prompt(start):
     if os.path.isdir(path):
         raise UserError(f"prompt file {path} is a folder: name a text file in it")
     try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is read and dropped
-            start = f.read()
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)  # one byte more tells a file past the bound
     except FileNotFoundError:
         raise UserError(f"prompt file {path} does not exist") from None
     except OSError as e:
         raise UserError(f"prompt file {path} cannot be read: {e.strerror or e}") from None
+    if len(data) > MAX_PROMPT_BYTES:
+        raise UserError(f"prompt file {path} holds more than {MAX_PROMPT_BYTES:,} bytes (1 MiB), "
+                        f"more than a prompt can use: keep its end (tail -c 100000 {path} > "
+                        f"prompt.txt)")
+    try:  # as open(path, encoding=...) reads text: newlines "\n"; -sig: a byte-order mark dropped
+        start = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8-sig").read()
     except UnicodeDecodeError:
         raise UserError(f"prompt file {path} is not UTF-8 text") from None
     if not start:
