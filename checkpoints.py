@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import hf
 import lora
-from configurator import UserError, as_user_error
+from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
 MODEL = "diffeqformer-model"  # a model: config, weights, and (for a run) optimizer and iteration
@@ -123,8 +123,11 @@ def load_folder(path):
         weights = {k[len("model."):]: w for k, w in weights.items()}
     model_config, depth = config["model_config"], (config.get("steps"), config.get("solver"))
     if depth != (None, None):  # saved after from_pretrained(DIR, steps=, solver=): the depth it ran
-        with as_user_error(f"{path}/config.json: "):
+        try:  # as model_from reads it: a model_config that is no object, or an unknown key, too
             steps, solver = ModelConfig(**model_config).depth(*depth)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{path} has no usable model config ({type(e).__name__}: {e})") \
+                from None
         model_config = {**model_config, "n_layer": steps, "solver": solver}  # an ODE's default
     return {"kind": MODEL, "model_config": model_config, "model": weights,
             "tokenizer": config["tokenizer"], "optimizer": None, "iter_num": 0,

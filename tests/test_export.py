@@ -420,6 +420,12 @@ def broken_config(folder, edit):
     ("another width", "in the file, ("),  # hyper.attn.A_W is (3072, 8) in the file, (12288, 8) ...
     ("no model_type", "holds a config.json without a model_type; this project reads its own exports"),
     ("a bert", "holds a model of type 'bert'"),
+    # a model_config that is no object, or holds an unknown key, beside a depth (steps: from_pretrained(DIR,
+    # steps=)) was a TypeError traceback; without a depth, one line already
+    ("a list", "has no usable model config (TypeError: "), ("a list and steps", "has no usable model config (TypeError: "),
+    ("a string and steps", "has no usable model config (TypeError: "),
+    ("an unknown key and steps", "has no usable model config (TypeError: "),
+    ("steps out of range", "has no usable model config (ValueError: steps=0 must be an integer in 1..1024"),
 ])
 def test_a_broken_folder_is_one_line(saved, tmp_path, capsys, monkeypatch, fault, message):
     folder = tmp_path / "folder"
@@ -432,6 +438,13 @@ def test_a_broken_folder_is_one_line(saved, tmp_path, capsys, monkeypatch, fault
         os.remove(folder / "config.json")
     elif fault == "another width":
         broken_config(folder, lambda c: c["model_config"].update(n_embd=64))
+    elif fault.startswith(("a list", "a string")):
+        depth = {"steps": 3} if fault.endswith("and steps") else {}
+        broken_config(folder, lambda c: c.update(model_config=[1, 2] if "list" in fault else "x", **depth))
+    elif fault == "an unknown key and steps":
+        broken_config(folder, lambda c: c.update(steps=3, model_config={**c["model_config"], "widht": 8}))
+    elif fault == "steps out of range":
+        broken_config(folder, lambda c: c.update(steps=0))
     else:
         (folder / "config.json").write_text(json.dumps({"model_type": "bert"} if fault == "a bert" else {}))
     err = one_line(sample.main, [f"--init_from={folder}"], capsys, monkeypatch)
