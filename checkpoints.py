@@ -30,7 +30,9 @@ from model import DiffEqFormer, ModelConfig
 MODEL = "diffeqformer-model"  # a model: config, weights, and (for a run) optimizer and iteration
 ADAPTERS = "diffeqformer-lora-adapters"  # LoRA adapters alone, with their settings and base
 LORA_RUN = "diffeqformer-lora-run"  # a LoRA fine-tuning run's resumable state
-ADAPTER_KEYS = ("base_checkpoint", "base_sha256", "steps", "rank", "alpha", "targets", "adapters")
+# what an adapters file holds beside its adapters (check_finite checks those): its settings' types
+ADAPTER_KEYS = dict(base_checkpoint=str, base_sha256=str, steps=int, rank=int, alpha=(int, float),
+                    targets=str, adapters=dict)
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and DDP's
 GPT2_HUB_IDS = {name: f"openai-community/{name}" for name in
                 ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}  # OpenAI's weights on the Hub
@@ -175,7 +177,14 @@ def check_finite(ckpt, path):
     float32's range; else one UserError: a model made of them computes NaN or inf (the sampler's
     "probability tensor contains either inf, nan", LAPACK's errors in the analysis, NaN losses and
     scores). One sum per tensor, which NaN, inf or values too large (3e38) make NaN or inf: one read
-    of the weights, a fraction of a load (docs/training.md; an isfinite mask costs 10x more)."""
+    of the weights, a fraction of a load (docs/training.md; an isfinite mask costs 10x more).
+    Weights that are no {name: tensor} dict (a list, a number among them): one UserError too."""
+    for entry in ("model", "adapters"):
+        weights = ckpt.get(entry) or {}
+        if not (isinstance(weights, dict) and all(
+                isinstance(k, str) and isinstance(w, torch.Tensor) for k, w in weights.items())):
+            raise UserError(f"{path} is a malformed checkpoint: its {entry!r} entry is no dict of "
+                            f"named tensors; use another checkpoint")
     for name, w in {**(ckpt.get("model") or {}), **(ckpt.get("adapters") or {})}.items():
         if w.is_floating_point() and not torch.isfinite(w.sum(dtype=torch.float32)):
             bad = w.numel() - int(torch.isfinite(w).sum())
@@ -274,6 +283,11 @@ def load_model(path, merge_base=None, kind=(MODEL, ADAPTERS), **overrides):
     if missing:
         raise UserError(f"{path} is an incomplete adapters file (it has no {missing[0]!r}); "
                         f"fine-tune again")
+    wrong = [k for k, kind in ADAPTER_KEYS.items()
+             if not isinstance(ckpt[k], kind) or isinstance(ckpt[k], bool)]
+    if wrong:
+        raise UserError(f"{path} is a malformed adapters file (its {wrong[0]!r} is of type "
+                        f"{type(ckpt[wrong[0]]).__name__}); fine-tune again")
     base_path = merge_base or ckpt["base_checkpoint"]
     check_base(base_path, ckpt["base_sha256"], merge_base=bool(merge_base))
     base = load(base_path)

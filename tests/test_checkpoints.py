@@ -127,6 +127,37 @@ def test_adapters_that_are_not_finite_are_one_line(tmp_path):
         checkpoints.load_model(str(tmp_path / "adapters.pt"))
 
 
+@pytest.mark.parametrize("entry,value,message", [
+    ("model", [1, 2], "is a malformed checkpoint: its 'model' entry is no dict of named tensors; use another"),
+    ("model", "weights", "is a malformed checkpoint: its 'model' entry is no dict of named tensors"),
+    ("model", {"wte.weight": 3}, "is a malformed checkpoint: its 'model' entry is no dict of named tensors"),
+    ("model", {5: torch.zeros(1)}, "is a malformed checkpoint: its 'model' entry is no dict of named tensors"),
+    ("adapters", [1], "is a malformed checkpoint: its 'adapters' entry is no dict of named tensors"),
+    ("adapters", {"x.lora_A": "a"}, "is a malformed checkpoint: its 'adapters' entry is no dict of named tensors"),
+    ("rank", "8", "is a malformed adapters file (its 'rank' is of type str); fine-tune again"),
+    ("rank", True, "is a malformed adapters file (its 'rank' is of type bool); fine-tune again"),
+    ("alpha", "16", "is a malformed adapters file (its 'alpha' is of type str)"),
+    ("targets", 5, "is a malformed adapters file (its 'targets' is of type int)"),
+    ("base_checkpoint", 5, "is a malformed adapters file (its 'base_checkpoint' is of type int)"),
+])
+def test_a_malformed_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch, entry, value, message):
+    """A checkpoint whose `model` entry was a list, or held a number among its tensors, failed in check_finite
+    with a TypeError or AttributeError traceback; an adapters file with a rank or targets of another type in
+    LoRA. Every malformed checkpoint is one line that names the file, before any work."""
+    from test_faults import one_line
+    base = save_model(tmp_path / "base.pt", random_ode())
+    if entry == "model":
+        ckpt = {**checkpoints.load(base), "model": value}
+    else:
+        layers = lora.add_lora(random_ode().materialize(2), rank=2)
+        ckpt = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), base, checkpoints.file_hash(base), 2)
+        ckpt[entry] = value
+    torch.save(ckpt, tmp_path / "bad.pt")
+    monkeypatch.setattr(sample, "generate", lambda *a, **k: pytest.fail("work began"))
+    line = one_line(sample.main, [f"--init_from={tmp_path / 'bad.pt'}", "--device=cpu"], capsys, monkeypatch)
+    assert line.startswith(f"error: {tmp_path / 'bad.pt'} {message}"), line
+
+
 # -- sharded checkpoints, in a one-process gloo group ----------------------------------------------
 
 @pytest.fixture
