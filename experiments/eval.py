@@ -89,6 +89,14 @@ def harness():
 
 # -- a checkpoint as an lm-eval language model -------------------------------------------------------
 
+class LongContinuation(ValueError):
+    """A continuation with more tokens to score than the model's context holds: request `index`'s."""
+
+    def __init__(self, index, message):
+        super().__init__(message)
+        self.index = index
+
+
 class CheckpointLM:
     """lm-eval's TemplateLM interface over a model in eval mode and its tokenizer. lm-eval is imported
     lazily, so the class that lm-eval sees is made at run time with TemplateLM as a base: lm_class."""
@@ -138,16 +146,26 @@ class CheckpointLM:
             out.append((rows.gather(1, target[:, None]).sum().item(), bool((rows.argmax(-1) == target).all())))
         return out
 
+    def loglikelihood(self, requests, disable_tqdm=False):
+        """TemplateLM's, which encodes each request and calls _loglikelihood_tokens; a continuation longer than
+        the model's context is one UserError that names its task, before any forward pass."""
+        try:
+            return super().loglikelihood(requests, disable_tqdm)
+        except LongContinuation as e:
+            raise UserError(f"task {requests[e.index].task_name}: {e}: evaluate it with a model of a longer "
+                            f"context, or leave the task out") from None
+
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         """(log-likelihood, is_greedy) of each (strings, context tokens, continuation tokens), as TemplateLM
         encodes them. An empty context comes as [eot]; with no eot (bytes) as [None], and then the
         continuation's first token is its context."""
         seqs = []
-        for _, context, continuation in requests:
+        for i, (_, context, continuation) in enumerate(requests):
             tokens = continuation if context == [None] else context + continuation
             n = len(tokens) - 1 if context == [None] else len(continuation)
             if n > self.max_length:
-                raise ValueError(f"a continuation of {n} tokens does not fit in block_size={self.max_length}")
+                raise LongContinuation(i, f"a continuation of {n} tokens does not fit in the model's context "
+                                          f"of block_size={self.max_length} tokens")
             seqs.append((tokens[-(self.max_length + 1):], n))  # contexts cut on the left
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
         results = [(0.0, True)] * len(seqs)  # a continuation with nothing to score

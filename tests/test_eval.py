@@ -153,6 +153,23 @@ def test_unknown_tasks_and_missing_checkpoints_are_one_clear_error(tmp_path):
                    "--tasks=tiny_choice", f"--include_path={TASK_DIR}"])
 
 
+@needs_lm_eval
+def test_a_continuation_longer_than_the_context_is_one_line_naming_the_task(tmp_path, capsys, monkeypatch):
+    """experiments.eval on a model of a short context (--block_size=32 against the shakespeare tasks): "ValueError:
+    a continuation of 51 tokens does not fit in block_size=32" as a traceback, also with --compare and adapters.
+    One line that names the task and the context, before any forward pass; nothing written."""
+    from experiments import eval
+    from test_faults import one_line
+    short = save_model(tmp_path / "short.pt", random_model(vocab_size=256, block_size=8))  # "an elephant": 12 bytes
+    monkeypatch.setattr(eval.CheckpointLM, "logprobs", lambda *a: pytest.fail("work began"))
+    for compare in ([], [f"--compare={short}"]):
+        line = one_line(eval.main, [f"--init_from={short}", *compare, "--tasks=tiny_choice", f"--include_path={TASK_DIR}",
+                                    f"--out={tmp_path / 'out'}", "--device=cpu"], capsys, monkeypatch)
+        assert line == ("error: task tiny_choice: a continuation of 12 tokens does not fit in the model's context of "
+                        "block_size=8 tokens: evaluate it with a model of a longer context, or leave the task out"), line
+    assert not (tmp_path / "out").exists()
+
+
 def test_without_lm_eval_eval_py_says_how_to_install_it():
     code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = ['experiments/eval.py', '--tasks=piqa']; "
             "runpy.run_module('experiments.eval', run_name='__main__', alter_sys=True)")
