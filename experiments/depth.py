@@ -29,7 +29,7 @@ import common
 import plots
 import prepare
 import train
-from configurator import UserError, as_user_error, parse_config, run_main
+from configurator import UserError, as_user_error, make_dir, parse_config, run_main
 from model import SOLVERS, check_step_count, evaluations, time_dtype
 
 
@@ -146,6 +146,7 @@ def main(argv):
     with as_user_error(f"{cfg.init_from}: "):  # an ODE: any step count and solver
         for solver, n in points:
             model.cfg.depth(n, solver)
+    make_dir(cfg.out, "out")  # a file in the way, or a read-only folder: one line, before the work
     model.to(env.device)
     known = {k: v for k, v in ckpt.get("train_config", {}).items() if k in train.TrainConfig.__dataclass_fields__}
     tcfg = train.TrainConfig(**{**known, "eval_iters": cfg.eval_iters, "batch_size": cfg.batch_size, "seed": cfg.seed})
@@ -171,7 +172,6 @@ def main(argv):
         cosine = gradient_cosine(model.eval(), *val.get(train.EVAL_ITERATION, 0))
         print(f"gradient cosine, adjoint against backpropagation ({model.cfg.solver}, {trained} steps, one "
               f"batch): {cosine:.4f}")
-    os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "depth.json"), "w") as f:
         json.dump(dict(checkpoint=os.path.abspath(cfg.init_from), config=asdict(cfg), trained_steps=trained,
                        results=results), f, indent=1)

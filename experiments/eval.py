@@ -41,7 +41,7 @@ import common
 import plots
 import prepare
 import sample
-from configurator import ConfigError, UserError, as_user_error, parse_config, run_main
+from configurator import ConfigError, UserError, as_user_error, make_dir, parse_config, run_main
 from model import time_dtype
 
 
@@ -343,8 +343,8 @@ def main(argv):
     paths = [cfg.init_from] + ([cfg.compare] if cfg.compare else [])
     lms = [load_lm(path, cfg, env) for path in paths]  # every checkpoint is checked before the long part
     manager = task_manager(tasks, cfg.include_path)
+    make_dir(cfg.out, "out")  # a file in the way, or a read-only folder: one line, before the work
     runs = [evaluate(lm, tasks, manager, cfg) for lm in lms]
-    os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
         json.dump(dict(config=asdict(cfg), runs=runs), f, indent=2, default=lm_eval.utils.handle_non_serializable)
     table = markdown(runs)

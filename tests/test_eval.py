@@ -157,7 +157,8 @@ def test_unknown_tasks_and_missing_checkpoints_are_one_clear_error(tmp_path):
 def test_a_continuation_longer_than_the_context_is_one_line_naming_the_task(tmp_path, capsys, monkeypatch):
     """experiments.eval on a model of a short context (--block_size=32 against the shakespeare tasks): "ValueError:
     a continuation of 51 tokens does not fit in block_size=32" as a traceback, also with --compare and adapters.
-    One line that names the task and the context, before any forward pass; nothing written."""
+    One line that names the task and the context, before any forward pass; nothing written (--out is made and
+    checked before the evaluation: empty)."""
     from experiments import eval
     from test_faults import one_line
     short = save_model(tmp_path / "short.pt", random_model(vocab_size=256, block_size=8))  # "an elephant": 12 bytes
@@ -167,7 +168,7 @@ def test_a_continuation_longer_than_the_context_is_one_line_naming_the_task(tmp_
                                     f"--out={tmp_path / 'out'}", "--device=cpu"], capsys, monkeypatch)
         assert line == ("error: task tiny_choice: a continuation of 12 tokens does not fit in the model's context of "
                         "block_size=8 tokens: evaluate it with a model of a longer context, or leave the task out"), line
-    assert not (tmp_path / "out").exists()
+    assert os.listdir(tmp_path / "out") == []
 
 
 def test_without_lm_eval_eval_py_says_how_to_install_it():

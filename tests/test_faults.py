@@ -207,6 +207,30 @@ def test_analyze_with_a_file_as_out_is_one_line(tmp_path, capsys, monkeypatch):
     assert line.endswith("it is a file, not a folder; choose another --out")
 
 
+def test_the_experiments_with_a_file_as_out_are_one_line_before_the_work(tmp_path, capsys, monkeypatch):
+    """experiments.depth --out=FILE (and experiments.eval's) was a FileExistsError after the whole evaluation had
+    run: the folder is checked first, as analyze.py and export.py check theirs."""
+    import importlib.util
+
+    import common
+    from experiments import depth
+    from test_sample import byte_model, save_model
+    (tmp_path / "file").write_text("x")
+    path = save_model(tmp_path / "m.pt", byte_model())
+    monkeypatch.setattr(common, "prepare_data", lambda *a: pytest.fail("work began"))
+    line = one_line(depth.main, [f"--init_from={path}", f"--out={tmp_path / 'file'}", "--device=cpu"], capsys,
+                    monkeypatch)
+    assert line == f"error: cannot write into --out={tmp_path / 'file'}: it is a file, not a folder; choose another --out"
+    if importlib.util.find_spec("lm_eval"):  # an optional extra
+        from experiments import eval
+        monkeypatch.setattr(eval, "evaluate", lambda *a: pytest.fail("work began"))
+        line = one_line(eval.main, [f"--init_from={path}", "--tasks=tiny_choice", f"--out={tmp_path / 'file'}",
+                                    f"--include_path={os.path.join(ROOT, 'tests', 'eval_task')}", "--device=cpu"],
+                        capsys, monkeypatch)
+        assert line.endswith("it is a file, not a folder; choose another --out")
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def torch_save_on_a_full_disk(monkeypatch):
     """torch.save fails from now on as it does on a full disk: it writes, then raises its own error from
     the OSError."""
