@@ -65,6 +65,8 @@ class BenchConfig:
         for name in ("batch_size", "pairs", "decode_tokens", "prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.threads < 0:  # torch.set_num_threads' RuntimeError, after the setup
+            raise ValueError(f"threads={self.threads} must be at least 0 (0: all)")
         unknown = set(self.row_list) - set(ROWS)
         if unknown:
             raise ValueError(f"rows={self.rows!r}: {', '.join(sorted(unknown))} is not one of {', '.join(ROWS)}")

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 @dataclass
 class ScaleConfig:
-    what: str = "step"  # step, comm or memory
+    what: str = "step"  # step, comm, comm_plan or memory
     threads: int = 1  # CPU threads for torch (step)
     pairs: int = 5  # interleaved timed pairs (step)
     accum: int = 1  # micro-steps per iteration (step, comm)
@@ -47,6 +47,12 @@ class ScaleConfig:
     adamw: str = "fused"  # step: "fused" (train.py's) or "default" (torch's default on CPU, a loop over tensors)
     models: str = "once"  # memory: any of once (the ODE, weights once per step), per_micro_step (the ODE as before), gpt
     probe: str = ""  # internal: the worker of one comm or memory measurement
+
+    def __post_init__(self):
+        if self.what not in WHAT:  # WHAT's KeyError in main, a traceback
+            raise ValueError(f"what={self.what!r}: use {', '.join(WHAT)}")
+        if self.threads < 1:  # torch.set_num_threads' RuntimeError, after the setup
+            raise ValueError(f"threads={self.threads} must be at least 1")
 
 
 # -- counting the bytes of collectives --------------------------------------------------------------
@@ -363,6 +369,9 @@ def torchrun(world, args, env=None):
     return done.stdout
 
 
+WHAT = {"step": step, "comm": comm, "comm_plan": comm_plan, "memory": memory}  # --what
+
+
 def main(argv):
     own = [a for a in argv if a.lstrip("-").split("=")[0] in ScaleConfig.__dataclass_fields__]
     rest = [a for a in argv if a not in own]
@@ -372,7 +381,7 @@ def main(argv):
         return comm_probe(cfg, rest)
     if cfg.probe == "memory":
         return memory_probe(cfg, rest)
-    {"step": step, "comm": comm, "comm_plan": comm_plan, "memory": memory}[cfg.what](cfg, rest)
+    WHAT[cfg.what](cfg, rest)
 
 
 if __name__ == "__main__":

@@ -89,3 +89,23 @@ def test_a_tiny_run_has_every_row_with_positive_finite_figures(capsys):
 def test_bad_keys_are_one_line():
     done = subprocess.run([sys.executable, "-m", "experiments.bench", "--rows=train,fly"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip() == "error: rows='train,fly': fly is not one of train, inference, decode, memory"
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("bench", ["--threads=-1"], "threads=-1 must be at least 0 (0: all)"),
+    ("bench_scale", ["--threads=0"], "threads=0 must be at least 1"),
+    ("bench_scale", ["--what=foo"], "what='foo': use step, comm, comm_plan, memory"),
+])
+def test_threads_and_what_out_of_range_are_one_line_before_any_work(script, argv, message, capsys, monkeypatch):
+    """experiments.bench --threads=-1 and bench_scale --threads=0 were torch.set_num_threads' RuntimeError after
+    the setup, bench_scale --what=foo a KeyError: one line, where the flag is parsed. At the bounds, bench's
+    --threads=0 (all threads) and bench_scale's --threads=1 are accepted."""
+    import common
+    from experiments import bench_scale
+    from test_faults import one_line
+    monkeypatch.setattr(common, "setup", lambda *a, **k: pytest.fail("work began"))
+    monkeypatch.setattr(bench_scale, "WHAT", {name: lambda *a: pytest.fail("work began") for name in bench_scale.WHAT})
+    main = bench.main if script == "bench" else bench_scale.main
+    assert one_line(main, argv, capsys, monkeypatch) == f"error: {message}"
+    assert bench.parse_args(["--threads=0"])[1].threads == 0
+    assert bench_scale.ScaleConfig(threads=1, what="comm_plan").threads == 1
