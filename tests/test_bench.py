@@ -96,7 +96,8 @@ def test_bad_keys_are_one_line():
     ("bench_scale", ["--threads=0"], "threads=0 must be at least 1"),
     ("bench_scale", ["--what=foo"], "what='foo': use step, comm, comm_plan, memory"),
 ])
-def test_threads_and_what_out_of_range_are_one_line_before_any_work(script, argv, message, capsys, monkeypatch):
+def test_threads_and_what_out_of_range_are_one_line_before_any_work(script, argv, message, capsys,
+                                                                    monkeypatch):
     """experiments.bench --threads=-1 and bench_scale --threads=0 were torch.set_num_threads' RuntimeError after
     the setup, bench_scale --what=foo a KeyError: one line, where the flag is parsed. At the bounds, bench's
     --threads=0 (all threads) and bench_scale's --threads=1 are accepted."""
@@ -104,7 +105,8 @@ def test_threads_and_what_out_of_range_are_one_line_before_any_work(script, argv
     from experiments import bench_scale
     from test_faults import one_line
     monkeypatch.setattr(common, "setup", lambda *a, **k: pytest.fail("work began"))
-    monkeypatch.setattr(bench_scale, "WHAT", {name: lambda *a: pytest.fail("work began") for name in bench_scale.WHAT})
+    never = {name: lambda *a: pytest.fail("work began") for name in bench_scale.WHAT}
+    monkeypatch.setattr(bench_scale, "WHAT", never)
     main = bench.main if script == "bench" else bench_scale.main
     assert one_line(main, argv, capsys, monkeypatch) == f"error: {message}"
     assert bench.parse_args(["--threads=0"])[1].threads == 0

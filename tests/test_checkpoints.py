@@ -150,7 +150,8 @@ def test_a_malformed_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, mo
         ckpt = {**checkpoints.load(base), "model": value}
     else:
         layers = lora.add_lora(random_ode().materialize(2), rank=2)
-        ckpt = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), base, checkpoints.file_hash(base), 2)
+        fcfg = finetune.FinetuneConfig(lora_rank=2)
+        ckpt = finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 2)
         ckpt[entry] = value
     torch.save(ckpt, tmp_path / "bad.pt")
     monkeypatch.setattr(sample, "generate", lambda *a, **k: pytest.fail("work began"))
@@ -339,7 +340,8 @@ def test_overwrite_removes_every_file_the_earlier_run_wrote(tmp_path, shakespear
     train.main([*TINY_ARGS, "--max_iters=2", "--eval_interval=2", f"--input_file={shakespeare}", f"--out_dir={out}",
                 f"--data_root={tmp_path / 'data'}", "--overwrite"])
     assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "ckpt.pt", "log.jsonl", "loss.png", "notes.txt"]
-    assert checkpoints.load(str(out / "ckpt.pt"))["iter_num"] == 2 and (out / "notes.txt").read_bytes() == b"the earlier run's"
+    assert checkpoints.load(str(out / "ckpt.pt"))["iter_num"] == 2
+    assert (out / "notes.txt").read_bytes() == b"the earlier run's"
     assert [json.loads(r)["iter"] for r in open(out / "log.jsonl") if "val_loss" in r] == [0, 2]
 
 

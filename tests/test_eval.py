@@ -161,13 +161,14 @@ def test_a_continuation_longer_than_the_context_is_one_line_naming_the_task(tmp_
     checked before the evaluation: empty)."""
     from experiments import eval
     from test_faults import one_line
-    short = save_model(tmp_path / "short.pt", random_model(vocab_size=256, block_size=8))  # "an elephant": 12 bytes
+    short = save_model(tmp_path / "short.pt", random_model(vocab_size=256, block_size=8))  # " an elephant"
     monkeypatch.setattr(eval.CheckpointLM, "logprobs", lambda *a: pytest.fail("work began"))
     for compare in ([], [f"--compare={short}"]):
-        line = one_line(eval.main, [f"--init_from={short}", *compare, "--tasks=tiny_choice", f"--include_path={TASK_DIR}",
-                                    f"--out={tmp_path / 'out'}", "--device=cpu"], capsys, monkeypatch)
-        assert line == ("error: task tiny_choice: a continuation of 12 tokens does not fit in the model's context of "
-                        "block_size=8 tokens: evaluate it with a model of a longer context, or leave the task out"), line
+        argv = [f"--init_from={short}", *compare, "--tasks=tiny_choice", f"--include_path={TASK_DIR}",
+                f"--out={tmp_path / 'out'}", "--device=cpu"]
+        assert one_line(eval.main, argv, capsys, monkeypatch) == (
+            "error: task tiny_choice: a continuation of 12 tokens does not fit in the model's context of "
+            "block_size=8 tokens: evaluate it with a model of a longer context, or leave the task out")
     assert os.listdir(tmp_path / "out") == []
 
 

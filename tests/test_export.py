@@ -422,7 +422,8 @@ def broken_config(folder, edit):
     ("a bert", "holds a model of type 'bert'"),
     # a model_config that is no object, or holds an unknown key, beside a depth (steps: from_pretrained(DIR,
     # steps=)) was a TypeError traceback; without a depth, one line already
-    ("a list", "has no usable model config (TypeError: "), ("a list and steps", "has no usable model config (TypeError: "),
+    ("a list", "has no usable model config (TypeError: "),
+    ("a list and steps", "has no usable model config (TypeError: "),
     ("a string and steps", "has no usable model config (TypeError: "),
     ("an unknown key and steps", "has no usable model config (TypeError: "),
     ("steps out of range", "has no usable model config (ValueError: steps=0 must be an integer in 1..1024"),

@@ -220,12 +220,13 @@ def test_the_experiments_with_a_file_as_out_are_one_line_before_the_work(tmp_pat
     monkeypatch.setattr(common, "prepare_data", lambda *a: pytest.fail("work began"))
     line = one_line(depth.main, [f"--init_from={path}", f"--out={tmp_path / 'file'}", "--device=cpu"], capsys,
                     monkeypatch)
-    assert line == f"error: cannot write into --out={tmp_path / 'file'}: it is a file, not a folder; choose another --out"
+    assert line == (f"error: cannot write into --out={tmp_path / 'file'}: it is a file, not a folder; choose "
+                    f"another --out")
     if importlib.util.find_spec("lm_eval"):  # an optional extra
         from experiments import eval
         monkeypatch.setattr(eval, "evaluate", lambda *a: pytest.fail("work began"))
-        line = one_line(eval.main, [f"--init_from={path}", "--tasks=tiny_choice", f"--out={tmp_path / 'file'}",
-                                    f"--include_path={os.path.join(ROOT, 'tests', 'eval_task')}", "--device=cpu"],
+        tasks = ["--tasks=tiny_choice", f"--include_path={os.path.join(ROOT, 'tests', 'eval_task')}"]
+        line = one_line(eval.main, [f"--init_from={path}", *tasks, f"--out={tmp_path / 'file'}", "--device=cpu"],
                         capsys, monkeypatch)
         assert line.endswith("it is a file, not a folder; choose another --out")
     assert (tmp_path / "file").read_text() == "x"

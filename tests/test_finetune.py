@@ -298,7 +298,8 @@ def adapters_beside(base, path, steps=3):
             if name.endswith(".lora_B"):
                 p.normal_(0.0, 0.1)
     fcfg = finetune.FinetuneConfig(lora_rank=2)
-    checkpoints.save(finetune.adapters_file(layers, fcfg, str(base), checkpoints.file_hash(str(base)), steps), str(path))
+    adapters = finetune.adapters_file(layers, fcfg, str(base), checkpoints.file_hash(str(base)), steps)
+    checkpoints.save(adapters, str(path))
     return str(path)
 
 
