@@ -1,8 +1,10 @@
 """The last bad inputs (issue 42), in the scripts that share them: a seed, a Ctrl-C while a script
 imports, a prompt file; each is one line (or a quiet exit), before any work."""
+import errno
 import importlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import pytest
 import common
 import finetune
 import prepare
+import sample
 import train
 from configurator import UserError
 from model import ModelConfig
@@ -81,6 +84,34 @@ def test_a_prompt_file_is_any_readable_file_and_its_faults_name_it(tmp_path):
     with pytest.raises(UserError, match="^FILE: names no file: write FILE:path"):
         prepare.read_prompt("FILE:")
     assert prepare.read_prompt("") == ""  # a literal prompt as it is (encode_prompt refuses it)
+
+
+@pytest.mark.parametrize("fault", ["a socket", "EIO", "EACCES"])
+def test_a_prompt_file_that_exists_but_cannot_be_read_is_one_line(fault, tmp_path, capsys, monkeypatch):
+    """A socket (open() refuses it for root too), a disk's read error, a file without read permission (root
+    reads one, so its error is injected as the disk's is): `sample.py --start=FILE:prompt` says which file
+    and why in one line, and samples nothing."""
+    path = save_model(tmp_path / "m.pt", byte_model())
+    monkeypatch.chdir(tmp_path)  # a relative path: a socket's path has at most 107 bytes
+    if fault == "a socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind("prompt")
+        why = os.strerror(errno.ENXIO)
+    else:
+        (tmp_path / "prompt").write_text("ROMEO:")
+        real_open, code = open, getattr(errno, fault)
+
+        def unreadable(name, *args, **kwargs):
+            if name == "prompt":
+                raise OSError(code, os.strerror(code), name)
+            return real_open(name, *args, **kwargs)
+        monkeypatch.setattr("builtins.open", unreadable)
+        why = os.strerror(code)
+    monkeypatch.setattr(sample, "generate", lambda *a, **k: pytest.fail("work began"))
+    line = one_line(sample.main, [f"--init_from={path}", "--start=FILE:prompt"], capsys, monkeypatch)
+    assert line == f"error: prompt file prompt cannot be read: {why}"
+    if fault == "a socket":
+        server.close()
 
 
 @pytest.mark.parametrize("main,argv,message", [
