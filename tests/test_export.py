@@ -222,8 +222,8 @@ def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(sa
 
 @pytest.mark.parametrize("front_matter", ["---\nlicense: mit\n---",  # a Hub model card's
                                           "---\nlibrary_name: transformers\n---"])  # another project's
-def test_a_users_model_card_with_yaml_front_matter_is_no_earlier_export(saved, tmp_path, capsys, monkeypatch,
-                                                                       front_matter):
+def test_a_users_model_card_with_yaml_front_matter_is_no_earlier_export(saved, tmp_path, capsys,
+                                                                       monkeypatch, front_matter):
     """Every Hub model card opens with YAML front matter (`---`), as export.py's own does: a user's folder
     whose README.md opens so, beside a model.py of their own, is refused like any other, its files' bytes
     as they were; only export.py's card (export.CARD) marks an earlier export."""
@@ -236,8 +236,9 @@ def test_a_users_model_card_with_yaml_front_matter_is_no_earlier_export(saved, t
         (user / name).write_text(text)
     monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
     line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, monkeypatch)
-    assert line == (f"error: --out={user} holds files that are not an export of this project (README.md, "
-                    f"config.json, model.py): export into an empty or a new folder, or over an earlier export")
+    assert line == (f"error: --out={user} holds files that are not an export of this project "
+                    f"(README.md, config.json, model.py): export into an empty or a new folder, or over "
+                    f"an earlier export")
     assert {p.name: p.read_text() for p in user.iterdir()} == files
 
 

@@ -87,10 +87,11 @@ def test_a_prompt_file_is_any_readable_file_and_its_faults_name_it(tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["a socket", "EIO", "EACCES"])
-def test_a_prompt_file_that_exists_but_cannot_be_read_is_one_line(fault, tmp_path, capsys, monkeypatch):
-    """A socket (open() refuses it for root too), a disk's read error, a file without read permission (root
-    reads one, so its error is injected as the disk's is): `sample.py --start=FILE:prompt` says which file
-    and why in one line, and samples nothing."""
+def test_a_prompt_file_that_exists_but_cannot_be_read_is_one_line(fault, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A socket (open() refuses it, for root too), a disk's read error, a file without read
+    permission (root reads one, so its error is injected as the disk's is): `sample.py
+    --start=FILE:prompt` says which file and why in one line, and samples nothing."""
     path = save_model(tmp_path / "m.pt", byte_model())
     monkeypatch.chdir(tmp_path)  # a relative path: a socket's path has at most 107 bytes
     if fault == "a socket":
@@ -108,7 +109,8 @@ def test_a_prompt_file_that_exists_but_cannot_be_read_is_one_line(fault, tmp_pat
         monkeypatch.setattr("builtins.open", unreadable)
         why = os.strerror(code)
     monkeypatch.setattr(sample, "generate", lambda *a, **k: pytest.fail("work began"))
-    line = one_line(sample.main, [f"--init_from={path}", "--start=FILE:prompt"], capsys, monkeypatch)
+    line = one_line(sample.main, [f"--init_from={path}", "--start=FILE:prompt"], capsys,
+                    monkeypatch)
     assert line == f"error: prompt file prompt cannot be read: {why}"
     if fault == "a socket":
         server.close()
@@ -136,6 +138,33 @@ def test_settings_that_train_nothing_or_wrongly_are_one_line(main, argv, message
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match=r"tokenizer_vocab=-1 must be in 0..vocab_size=256"):
         ModelConfig(vocab_size=256, tokenizer_vocab=-1)  # a config built in code, as a flag
+
+
+@pytest.mark.parametrize("flag,accepted", [
+    ("--lora_dropout=1", False), ("--lora_dropout=0.999", True),  # 1: every adapter input dropped
+    ("--lora_dropout=-0.001", False), ("--lora_dropout=0", True),
+    ("--lora_rank=0", False), ("--lora_rank=1", True),
+    ("--lora_alpha=0", False), ("--lora_alpha=1e-9", True),
+])
+def test_lora_settings_at_their_bounds(flag, accepted, tmp_path, capsys, monkeypatch):
+    """Each LoRA range at its bound, where the flag is parsed: --lora_dropout=1 (documented
+    0 <= dropout < 1) trained nothing, every input of every adapter dropped; an accepted value
+    goes on to the run (common.setup, stubbed here), a refused one is one line before it."""
+    class Started(Exception):
+        pass
+
+    def setup(*args):
+        raise Started
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "setup", setup)
+    if accepted:
+        with pytest.raises(Started):
+            finetune.main([flag])
+    else:
+        line = one_line(finetune.main, [flag], capsys, monkeypatch)
+        assert line.startswith("error: need --lora_rank >= 1, --lora_alpha > 0 and 0 <= "
+                               "--lora_dropout < 1, got ")
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_lora_rank_above_the_weights_rank_is_one_line_before_the_data(tmp_path, capsys,
