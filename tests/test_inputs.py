@@ -20,7 +20,7 @@ from model import ModelConfig
 
 from conftest import ROOT
 from test_faults import one_line
-from test_sample import byte_model, save_model
+from test_sample import byte_model, random_model, save_model
 
 # Runs a script as `python SCRIPT` does, with a Ctrl-C arriving as it imports numpy or torch,
 # whichever comes first: deterministic, where a timed os.kill would race the imports.
@@ -167,17 +167,27 @@ def test_lora_settings_at_their_bounds(flag, accepted, tmp_path, capsys, monkeyp
     assert os.listdir(tmp_path) == []
 
 
-def test_a_lora_rank_above_the_weights_rank_is_one_line_before_the_data(tmp_path, capsys,
-                                                                        monkeypatch):
+@pytest.mark.parametrize("ffn_dim,smallest", [(0, 32), (16, 16)])  # ffn_dim 0: 4 x n_embd
+def test_a_lora_rank_above_the_weights_rank_is_one_line_before_the_data(ffn_dim, smallest, tmp_path,
+                                                                        capsys, monkeypatch):
     """--lora_rank=100000 on width 32 trained adapters 3,000 x the model: a rank is at most the
-    smaller side of every weight it adapts (here 32, n_embd), known once the base is read."""
-    base = save_model(tmp_path / "base.pt", byte_model())
+    narrowest side of every weight it adapts, known once the base is read; n_embd (32) by
+    default, --ffn_dim where it is below n_embd (fc: 32 -> 16). The narrowest rank is accepted."""
+    class Started(Exception):
+        pass
+
+    def prepare_data(*args):
+        raise Started
+    monkeypatch.setattr(common, "prepare_data", prepare_data)  # after the adapters are added
+    base = save_model(tmp_path / "base.pt", random_model(vocab_size=256, ffn_dim=ffn_dim))
     argv = [f"--init_from={base}", "--steps=3", f"--data_root={tmp_path / 'data'}",
             f"--out_dir={tmp_path / 'out'}", "--lora_targets=attn,fc"]
-    for rank, smallest in ((33, 32), (100000, 32)):
+    with pytest.raises(Started):
+        finetune.main([*argv, f"--lora_rank={smallest}"])
+    for rank in (smallest + 1, 100000):
         line = one_line(finetune.main, [*argv, f"--lora_rank={rank}"], capsys, monkeypatch)
-        assert line == f"error: --lora_rank={rank} must be in 1..{smallest}, the narrowest side of " \
-                       f"its weights"
+        assert line == f"error: --lora_rank={rank} must be in 1..{smallest}, the narrowest side " \
+                       f"of its weights"
     assert not (tmp_path / "data").exists()  # refused before the data
 
 
