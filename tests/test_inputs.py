@@ -15,7 +15,7 @@ import finetune
 import prepare
 import sample
 import train
-from configurator import UserError
+from configurator import UserError, run_main
 from model import ModelConfig
 
 from conftest import ROOT
@@ -49,6 +49,27 @@ def test_a_ctrl_c_while_a_script_imports_is_one_line(script):
     done = subprocess.run([sys.executable, "-c", CTRL_C_IN_IMPORT, script], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.stderr == "stopped by Ctrl-C\n" and done.returncode == -signal.SIGINT, done.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_ctrl_c_under_torchrun_is_said_by_rank_0_alone(rank, capsys, monkeypatch):
+    """torchrun passes a Ctrl-C to every rank: "stopped by Ctrl-C" is printed once, by rank 0, whether
+    it comes while the script imports (sys.excepthook) or while it runs (run_main); every rank
+    stops (SIGINT, status 130)."""
+    env = {**os.environ, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2"}
+    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_IMPORT, "train.py"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    said = "stopped by Ctrl-C\n" if rank == "0" else ""
+    assert done.stderr == said and done.returncode == -signal.SIGINT, done.stderr
+
+    def main(argv):
+        raise KeyboardInterrupt
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as stopped:
+        run_main(main)
+    assert stopped.value.code == 130 and capsys.readouterr().err == said
 
 
 @pytest.mark.parametrize("seed", ["100000000000000000000", "-1", str(2 ** 32)])
