@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 
@@ -37,6 +38,18 @@ def tokenizer_or_skip(name):
         return get_tokenizer(name)
     except DownloadError as e:
         pytest.skip(f"tiktoken cannot load {name} offline (point TIKTOKEN_CACHE_DIR at shared/tiktoken): {e}")
+
+
+def no_work(monkeypatch, owner, *names):
+    """Stub the functions `names` of `owner` (a module) to fail the test at once: the work a refusal
+    prevents (training, data preparation, a model build, sampling, jobs), so that a refusal that
+    breaks fails in a second, not after minutes of that work or at the OOM killer."""
+    for name in names:
+        monkeypatch.setattr(owner, name, functools.partial(work_began, f"{owner.__name__}.{name}"))
+
+
+def work_began(work, *args, **kwargs):
+    pytest.fail(f"work began: {work}", pytrace=False)
 
 
 @pytest.fixture

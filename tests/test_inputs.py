@@ -18,7 +18,7 @@ import train
 from configurator import UserError, run_main
 from model import ModelConfig
 
-from conftest import ROOT
+from conftest import ROOT, no_work
 from test_faults import one_line
 from test_sample import byte_model, random_model, save_model
 
@@ -82,6 +82,8 @@ def test_a_seed_out_of_range_is_one_line_in_every_script(script, argv, seed, tmp
     """torch.manual_seed overflowed on 1e20 (train.py, sample.py) and numpy refused -1 (analyze.py
     --cluster), each as a traceback after some work: one rule, where a flag is parsed."""
     monkeypatch.chdir(tmp_path)  # nothing may be written: the folder stays empty
+    no_work(monkeypatch, common, "setup")  # every script's device, dtype and seed: its work begins
+    no_work(monkeypatch, importlib.import_module("analyze"), "cluster")  # analyze.py --cluster's
     main = importlib.import_module(script).main
     line = one_line(main, [*argv, f"--seed={seed}"], capsys, monkeypatch)
     assert line == f"error: --seed={seed} must be a whole number in 0..4294967295"

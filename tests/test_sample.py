@@ -17,7 +17,7 @@ from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 from sample import generate, sample_next
 
-from conftest import ROOT, TINY, tokenizer_or_skip
+from conftest import ROOT, TINY, no_work, tokenizer_or_skip
 
 BLOCK = 12  # a short context, so that a generation slides its window after a few tokens
 
@@ -520,9 +520,11 @@ def test_more_samples_than_memory_holds_are_refused_before_any_is_allocated(tmp_
     OOM killer, or a failed allocation, without a word); a plan that fits decodes."""
     path = save_model(tmp_path / "ckpt.pt", byte_model())
     monkeypatch.setattr(sample, "device_memory_gib", lambda env: 64.0)
-    with pytest.raises(UserError, match=r"^--num_samples=10000000 x 501 tokens need about [\d,.]+ GiB, more than "
-                                        r"the 64.0 GiB of cpu: ask for fewer \(or fewer --max_new_tokens\)$"):
-        sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=10000000", "--start=a"])
+    with monkeypatch.context() as refused:
+        no_work(refused, sample, "generate")  # (the 10 million prompts alone take 80 MB)
+        with pytest.raises(UserError, match=r"^--num_samples=10000000 x 501 tokens need about [\d,.]+ GiB, more "
+                                            r"than the 64.0 GiB of cpu: ask for fewer \(or fewer --max_new_tokens\)$"):
+            sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=10000000", "--start=a"])
     assert run_sample(capsys, path, "--start=ab", "--max_new_tokens=6") == expected(byte_model(), "ab", 6)
 
 
