@@ -52,6 +52,16 @@ def work_began(work, *args, **kwargs):
     pytest.fail(f"work began: {work}", pytrace=False)
 
 
+def without_work(script, *works):
+    """The arguments of `python` that run `script` (train.py; experiments/seeds.py) as its command
+    line does, each of `works` ("module.function") stubbed as no_work does, the process exiting at
+    once: for a refusal that needs a process of its own (a lock another process holds, torchrun)."""
+    stubs = "".join(f"import {work.rsplit('.', 1)[0]}; {work} = lambda *a, **k: sys.exit("
+                    f"'work began: {work}'); " for work in works)
+    return ["-c", f"import runpy, sys; {stubs}sys.argv[0] = {script!r}; "
+                  f"runpy.run_path({script!r}, run_name='__main__')"]
+
+
 @pytest.fixture
 def shakespeare():
     return corpus("tinyshakespeare", "input.txt")

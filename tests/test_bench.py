@@ -8,10 +8,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import common
 from experiments import bench
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT
+from conftest import ROOT, no_work
+from test_faults import one_line
 
 TINY = ["--threads=1", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--vocab_size=512",
         "--d_t=4", "--time_freqs=4", "--batch_size=2", "--pairs=3", "--warmup=1", "--no-compile",
@@ -86,6 +88,7 @@ def test_a_tiny_run_has_every_row_with_positive_finite_figures(capsys):
     assert out.count(": met") + out.count(": MISSED") == 4 and "dense matmul peak" in out
 
 
-def test_bad_keys_are_one_line():
-    done = subprocess.run([sys.executable, "-m", "experiments.bench", "--rows=train,fly"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.strip() == "error: rows='train,fly': fly is not one of train, inference, decode, memory"
+def test_bad_keys_are_one_line(capsys, monkeypatch):
+    no_work(monkeypatch, common, "setup")  # the benchmark's device: its rows would run next
+    line = one_line(bench.main, ["--rows=train,fly"], capsys, monkeypatch)
+    assert line == "error: rows='train,fly': fly is not one of train, inference, decode, memory"

@@ -23,7 +23,7 @@ from scale import resume, parallel
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, no_work, without_work
 from test_finetune import random_ode
 from test_sample import save_model
 
@@ -204,7 +204,8 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
 def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
     held = common.lock(str(tmp_path / "out"))
     try:
-        done = subprocess.run([sys.executable, "train.py", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"],
+        done = subprocess.run([sys.executable, *without_work("train.py", "common.prepare_data"),
+                               f"--out_dir={tmp_path / 'out'}", "--max_iters=1"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
         assert done.stderr.strip().splitlines() == [
@@ -240,7 +241,9 @@ def test_a_killed_runs_lock_is_released_with_or_without_fcntl(tmp_path, shakespe
            f"--data_root={tmp_path / 'data'}"]
     try:
         assert holder.stdout.readline() == "held\n"
-        refused = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        stubbed = [sys.executable, "-c", setup + without_work("train.py", "common.prepare_data")[1]]
+        refused = subprocess.run([*stubbed, *run[3:]], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=120)
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
             f"error: {out} is in use by a run that is still going (pid {holder.pid}); wait for it "
             f"to finish or choose another --out_dir"]
@@ -265,15 +268,17 @@ def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anythi
     again = [*base, "--max_iters=4", f"--data_root={tmp_path / 'data2'}"]
     (tmp_path / "base.pt").write_bytes(before["ckpt.pt"])  # a base beside the run (in it: refused anyway)
     finetune_again = ["--steps=2", f"--init_from={tmp_path / 'base.pt'}", *again[-3:]]
-    for main, argv in ((train.main, again), (finetune.main, finetune_again)):
-        line = one_line(main, argv, capsys, monkeypatch)
-        assert line == (f"error: {tmp_path / 'out'} holds a run (ckpt.pt): continue it with --init_from=resume, "
-                        f"write elsewhere with another --out_dir, or start over with --overwrite (which replaces "
-                        f"its checkpoint and log)")
-    assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
-    assert not (tmp_path / "data2").exists()  # refused before the data
-    line = one_line(train.main, [*again, "--overwrite", "--init_from=resume"], capsys, monkeypatch)
-    assert line == "error: --overwrite starts a new run over out_dir's, --init_from=resume continues it: choose one"
+    with monkeypatch.context() as refused:
+        no_work(refused, common, "prepare_data")
+        for main, argv in ((train.main, again), (finetune.main, finetune_again)):
+            line = one_line(main, argv, capsys, monkeypatch)
+            assert line == (f"error: {tmp_path / 'out'} holds a run (ckpt.pt): continue it with --init_from=resume, "
+                            f"write elsewhere with another --out_dir, or start over with --overwrite (which "
+                            f"replaces its checkpoint and log)")
+        assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
+        assert not (tmp_path / "data2").exists()  # refused before the data
+        line = one_line(train.main, [*again, "--overwrite", "--init_from=resume"], capsys, monkeypatch)
+        assert line == "error: --overwrite starts a new run over out_dir's, --init_from=resume continues it: choose one"
     train.main([*again, "--overwrite"])
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 4
     assert [json.loads(r)["iter"] for r in open(tmp_path / "out" / "log.jsonl") if "val_loss" in r] == [0, 2, 4]
