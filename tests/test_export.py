@@ -20,7 +20,7 @@ import prepare
 import sample
 import train
 from configurator import UserError, run_main
-from conftest import TINY, tokenizer_or_skip
+from conftest import TINY, no_work, tokenizer_or_skip
 from model import DiffEqFormer, ModelConfig
 
 KINDS = ("diffeq", "shared", "gpt", "llama", "materialized", "merged", "adapters")
@@ -172,8 +172,10 @@ def test_an_export_into_the_folder_of_a_run_that_goes_on_is_refused(saved, tmp_p
     out = str(tmp_path / "run")
     held = common.lock(out)
     try:
-        with pytest.raises(UserError, match=f"^{re.escape(out)} is in use by a run that is still going "
-                                            rf"\(pid {os.getpid()}\); wait for it to finish or choose another --out$"):
+        with monkeypatch.context() as refused, pytest.raises(
+                UserError, match=f"^{re.escape(out)} is in use by a run that is still going "
+                                 rf"\(pid {os.getpid()}\); wait for it to finish or choose another --out$"):
+            no_work(refused, export, "save_folder")
             export.export(saved["gpt"], out)
     finally:
         held.release()
@@ -200,17 +202,18 @@ def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(sa
     user.mkdir()
     (user / "README.md").write_text("# my project\n")
     (user / "model.py").write_text("print('my model')\n")
-    monkeypatch.setattr(checkpoints, "load_model", None)  # refused before the model is read
-    line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, monkeypatch)
+    with monkeypatch.context() as refused:
+        no_work(refused, checkpoints, "load_model")  # refused before the model is read
+        line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, refused)
     assert line == (f"error: --out={user} holds files that are not an export of this project (README.md, "
                     f"model.py): export into an empty or a new folder, or over an earlier export")
     assert sorted(os.listdir(user)) == ["README.md", "model.py"]
     assert (user / "README.md").read_text() == "# my project\n"
-    monkeypatch.undo()
     export.export(saved["gpt"], str(tmp_path / "exp"))
     first = (tmp_path / "exp" / "model.safetensors").read_bytes()
     export.export(saved["llama"], str(tmp_path / "exp"))  # over an earlier export: another model
     assert (tmp_path / "exp" / "model.safetensors").read_bytes() != first
+    no_work(monkeypatch, checkpoints, "load_model")
     (tmp_path / "exp" / "notes.txt").write_text("mine\n")  # a user's file beside an export: kept, refused
     with pytest.raises(UserError, match=r"not an export of this project \(notes.txt\)"):
         export.export(saved["gpt"], str(tmp_path / "exp"))
@@ -234,7 +237,7 @@ def test_a_users_model_card_with_yaml_front_matter_is_no_earlier_export(saved, t
              "config.json": '{"model_type": "mine"}\n'}  # every name one an export writes
     for name, text in files.items():
         (user / name).write_text(text)
-    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
+    no_work(monkeypatch, checkpoints, "load_model")
     line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, monkeypatch)
     assert line == (f"error: --out={user} holds files that are not an export of this project "
                     f"(README.md, config.json, model.py): export into an empty or a new folder, or over "
@@ -433,6 +436,7 @@ def test_a_broken_folder_is_one_line(saved, tmp_path, capsys, monkeypatch, fault
         broken_config(folder, lambda c: c["model_config"].update(n_embd=64))
     else:
         (folder / "config.json").write_text(json.dumps({"model_type": "bert"} if fault == "a bert" else {}))
+    no_work(monkeypatch, sample, "generate")
     err = one_line(sample.main, [f"--init_from={folder}"], capsys, monkeypatch)
     assert err.startswith("error: ") and message in err, err
 
@@ -441,6 +445,7 @@ def test_a_checkpoint_whose_config_disagrees_with_its_weights_is_one_line(saved,
     ckpt = checkpoints.load(saved["gpt"])
     ckpt["model_config"]["n_embd"] = 64
     checkpoints.save(ckpt, str(tmp_path / "ckpt.pt"))
+    no_work(monkeypatch, sample, "generate")
     err = one_line(sample.main, [f"--init_from={tmp_path / 'ckpt.pt'}"], capsys, monkeypatch)
     assert "does not hold the weights of its baseline model (wte.weight is (96, 32) in the file" in err
 
