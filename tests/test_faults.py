@@ -46,7 +46,8 @@ def test_the_flagship_on_a_cpu_machine_is_refused_by_rank_0_before_any_download(
     """torchrun ... train.py config/llama1b.py on CPUs: the memory plan refuses it first, before the GPT-2
     tokenizer or OpenWebText is fetched (offline both would fail); one error line, every rank exits 2."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
-           sys.executable, *without_work("train.py", "prepare.get_tokenizer", "common.prepare_data"), "config/llama1b.py", "--device=cpu", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
+           sys.executable, *without_work("train.py", "prepare.get_tokenizer", "common.prepare_data"),
+           "config/llama1b.py", "--device=cpu", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**ENV, "TIKTOKEN_CACHE_DIR": str(tmp_path / "no-cache")})
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
