@@ -17,7 +17,7 @@ from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 from sample import generate, sample_next
 
-from conftest import ROOT, TINY, no_work, tokenizer_or_skip
+from conftest import ROOT, TINY, no_work, tokenizer_or_skip, without_work
 
 BLOCK = 12  # a short context, so that a generation slides its window after a few tokens
 
@@ -405,12 +405,13 @@ def test_sample_reads_lora_adapters_with_their_base_and_merged_files(tmp_path, c
     assert run_sample(capsys, save_model(tmp_path / "merged.pt", merged), "--start=ab", "--max_new_tokens=6") == text
 
 
-def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys):
+def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys, monkeypatch):
     ode = save_model(tmp_path / "ode.pt", byte_model())
     outputs = {run_sample(capsys, ode, "--start=ab", "--max_new_tokens=12", *args)
                for args in ([], ["--steps=1"], ["--steps=2"], ["--solver=rk4"])}
     assert len(outputs) == 4
     gpt = save_model(tmp_path / "gpt.pt", byte_model("baseline"))
+    no_work(monkeypatch, sample, "generate")
     with pytest.raises(UserError, match=r"gpt.pt: a baseline \(gpt\) model has 3 fixed layers and runs them with euler only, not 9 "):
         run_sample(capsys, gpt, "--steps=9")
     with pytest.raises(UserError, match="materialized \\(gpt\\) model has 4 fixed layers and runs them with euler only, not 4 rk4 steps"):
@@ -492,11 +493,12 @@ def test_top_k_0_samples_among_every_token(tmp_path, capsys):
     assert everything == text(256) and everything != text(1)
 
 
-def test_prompt_from_a_file(tmp_path, capsys):
+def test_prompt_from_a_file(tmp_path, capsys, monkeypatch):
     model = byte_model()
     (tmp_path / "prompt.txt").write_text("ba")
     path = save_model(tmp_path / "ckpt.pt", model)
     assert run_sample(capsys, path, f"--start=FILE:{tmp_path / 'prompt.txt'}", "--max_new_tokens=4") == expected(model, "ba", 4)
+    no_work(monkeypatch, sample, "generate")
     with pytest.raises(UserError, match="prompt file .*nothing.txt does not exist"):
         run_sample(capsys, path, f"--start=FILE:{tmp_path / 'nothing.txt'}")
     with pytest.raises(UserError, match=f"^prompt file {tmp_path} is a folder: name a text file in it$"):
@@ -508,8 +510,10 @@ def test_prompt_from_a_file(tmp_path, capsys):
     ("byte", 128, "caf\u00e9", r"'\u00e9' \(UTF-8 bytes \[195, 169\]\) is outside its vocabulary of 128 ids \(2 such tokens"),
     ("gpt2", 1024, " the hello", r"' hello' \(token id 23748\) is outside its vocabulary of 1024 ids \(1 such token"),
 ])
-def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, tokenizer, vocab, start, message):
+def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, monkeypatch, tokenizer, vocab, start,
+                                                         message):
     tokenizer_or_skip(tokenizer)
+    no_work(monkeypatch, sample, "generate")
     path = save_model(tmp_path / "ckpt.pt", random_model(vocab_size=vocab), tokenizer=tokenizer)
     with pytest.raises(UserError, match=message):
         run_sample(capsys, path, f"--start={start}")
@@ -573,7 +577,9 @@ def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
                                       "holds every sample in memory"),  # accepted without a word
 ])
 def test_script_errors_are_one_line(args, message):
-    done = subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True)
+    """(A checkpoint out/ckpt.pt, where a user trained one, is read, and nothing sampled from it.)"""
+    done = subprocess.run([sys.executable, *without_work("sample.py", "prepare.encode_prompt"), *args], cwd=ROOT,
+                          capture_output=True, text=True)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(message)
 

@@ -22,7 +22,7 @@ from scale.weightgen import WeightGenerator
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, no_work
 
 
 def perturb(model):
@@ -286,8 +286,10 @@ def test_sharded_checkpoints_of_the_new_path_resume_exactly_and_convert(tmp_path
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
 
 
-def test_the_memory_check_refuses_a_plan_larger_than_the_machine_on_cpu(tmp_path, shakespeare):
+def test_the_memory_check_refuses_a_plan_larger_than_the_machine_on_cpu(tmp_path, shakespeare, monkeypatch):
     """The ODE Llama-1B in one CPU process needs ~100 GiB: refused before any model is built."""
+    no_work(monkeypatch, common, "prepare_data")
+    no_work(monkeypatch, train, "DiffEqFormer")  # 100 GiB: the OOM killer
     with pytest.raises(UserError, match=r"needs ~\d+ GiB per process \(the machine's RAM shared by its processes\) "
                                         r"and does not fit"):
         train.main(["config/llama1b.py", "--device=cpu", "--dataset=shakespeare", "--tokenizer=byte",
