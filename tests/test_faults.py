@@ -516,8 +516,7 @@ def test_resuming_on_other_data_is_refused_before_that_data_is_prepared(tmp_path
     args = [f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1",
             "--eval_interval=1"]
     train.main(tiny_and(*args, f"--input_file={shakespeare}"))
-    monkeypatch.setattr(common, "prepare_data",
-                        lambda *a: pytest.fail("the data was prepared before the refusal"))
+    no_work(monkeypatch, common, "prepare_data")  # the data, prepared before the refusal
     resume = tiny_and(*args, "--init_from=resume", "--dataset=wikitext2")
     line = one_line(train.main, resume, capsys, monkeypatch)
     assert line.startswith(f"error: the run in {tmp_path / 'out'} trains on --dataset=shakespeare: "
@@ -530,8 +529,7 @@ def test_the_gpu_check_on_a_full_disk_stops_before_its_tests_and_leaves_no_empty
     ran them into a disk that took no byte, and left the log empty behind its one line."""
     from experiments import gpu_check
     full_disk(tmp_path / "out")
-    monkeypatch.setattr(gpu_check.subprocess, "Popen",
-                        lambda *a, **k: pytest.fail("the tests ran on a full disk"))
+    no_work(monkeypatch, gpu_check.subprocess, "Popen")  # the tests, run on a full disk
     line = one_line(gpu_check.main, [f"--out={tmp_path / 'out'}"], capsys, monkeypatch)
     assert line == (f"error: could not write {tmp_path / 'out' / 'gpu_check.json'}: No space left "
                     f"on device; free some space or write elsewhere")

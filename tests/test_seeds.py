@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, no_work
 from experiments import seeds
 from experiments.reproduce import Job, run
 from test_faults import one_line
@@ -58,8 +58,7 @@ def test_a_failed_run_never_erases_the_record_and_a_finished_one_is_added(tmp_pa
     ("--jobs=0", "error: jobs=0 must be at least 1"),
 ])
 def test_a_bad_flag_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, flag, message):
-    for work in ("initial_weights", "run"):
-        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, seeds, "initial_weights", "run")
     argv = [flag, f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"]
     line = one_line(seeds.main, argv, capsys, monkeypatch)
     assert line.startswith(message) and os.listdir(tmp_path) == []
@@ -75,8 +74,7 @@ def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, m
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
         return real_open(path, *args, **kwargs)
     monkeypatch.setattr("builtins.open", read_only)
-    for work in ("initial_weights", "run"):
-        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, seeds, "initial_weights", "run")
     line = one_line(seeds.main, [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"],
                     capsys, monkeypatch)
     assert line == f"error: cannot write into --runs={tmp_path / 'runs'}: Read-only file system; " \
@@ -96,8 +94,7 @@ def test_an_out_that_is_not_a_record_is_one_line_before_the_first_job(held, tmp_
     """Text, half a JSON, a list, other keys, a loss that is no number, a draw the script lacks: a
     traceback after every job had run (~50 min); a JSON boolean was printed as a loss of 1.0000."""
     (tmp_path / "s.json").write_text(held)
-    for work in ("initial_weights", "run"):
-        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, seeds, "initial_weights", "run")
     line = one_line(seeds.main, [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"],
                     capsys, monkeypatch)
     assert line.startswith(f"error: --out={tmp_path / 's.json'} is not a record of this script")
@@ -143,7 +140,7 @@ class Started(Exception):
 def test_a_range_of_too_many_runs_is_one_line(seeds_, draws, runs, tmp_path, capsys, monkeypatch):
     """Ranges up to 2^31 seeds were accepted, building 2^31 jobs' files first; at most 10,000 runs
     (seeds.MAX_RUNS), that maximum included."""
-    monkeypatch.setattr(seeds, "initial_weights", lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, seeds, "initial_weights")
 
     def run(jobs, *args):
         assert len(jobs) == runs
