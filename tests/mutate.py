@@ -93,8 +93,10 @@ def read_lists(paths):
     for path in paths:
         with open(path, "rb") as f:
             data = tomllib.load(f)
+        if "file" not in data:
+            sys.exit(f"{path}: no file = \"...\" before its mutations")
         for i, m in enumerate(data.get("mutation", []), 1):
-            missing = [key for key in ("file",) + KEYS if key not in {**data, **m}]
+            missing = [key for key in KEYS if key not in m]
             if missing:
                 sys.exit(f"{path}: mutation {i} has no {', '.join(missing)}")
             mutations.append(dict(m, file=data["file"], list=path))
@@ -103,8 +105,8 @@ def read_lists(paths):
 
 def check(m):
     """None where the mutation's original text occurs once in its file, else why it can't be run."""
-    text = Path(m["file"]).read_text("utf-8") if os.path.isfile(m["file"]) else ""
-    count = text.count(m["original"])
+    text = Path(m["file"]).read_bytes() if os.path.isfile(m["file"]) else b""
+    count = text.count(m["original"].encode())
     return None if count == 1 else "ambiguous" if count else "gone"
 
 
@@ -146,21 +148,27 @@ def unmutated(tests, copies):
     """Run a list's tests once as the code is: the seconds it took and {test: why it fails}."""
     where, t0 = copies.get(), time.perf_counter()
     try:
-        code, out = pytest(where, ["-rfE", *tests])
+        code, out = pytest(where, ["-rfEs", *tests])
     finally:
         copies.put(where)
     seconds = time.perf_counter() - t0
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)  # -rfE's summary
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)  # -rfEs's summary
     why = next((line for line in out.splitlines() if line.startswith("ERROR")), out.strip()[-200:])
-    skipped = re.search(r"(\d+) skipped", out)
-    if skipped:
-        print(f"warning: {skipped[1]} of the tests skip unmutated ({', '.join(tests)})")
+    why = why.replace(os.path.join(where, ""), "")  # paths as in the working tree
+    for skipped in re.findall(r"^SKIPPED .*", out, re.M):
+        print(f"warning: a test skips unmutated (a bug only it can catch survives): "
+              f"{skipped.replace(os.path.join(where, ''), '')}")
     if code == 0:
         return seconds, {}
     if code != 1 or not failed:  # not a test failing: pytest's usage error, collection, ...
         return seconds, {test: why for test in tests}
-    covers = lambda test, f: f == test or f.startswith((test + "[", test + "::"))  # noqa: E731
     return seconds, {t: f"{f} fails unmutated" for t in tests for f in failed if covers(t, f)}
+
+
+def covers(test, node):
+    """Whether a test id names pytest's node: the node itself, or one of its parameters, or of the
+    tests of a file or class the id names."""
+    return node == test or node.startswith((test + "[", test + "::"))
 
 
 def judge(m, copies, timeout):

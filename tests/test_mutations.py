@@ -73,6 +73,11 @@ def test_spin():
 
 def test_broken():
     assert False
+
+
+def test_skips():
+    import pytest
+    pytest.skip("no GPU here")
 '''
 
 LIST = '''file = "calc.py"
@@ -123,7 +128,7 @@ bug = "judged by a broken test"
 origin = "a test"
 original = "    return n"
 mutated = "    return -n"
-tests = ["test_calc.py::test_spin", "test_calc.py::test_broken"]
+tests = ["test_calc.py::test_spin", "test_calc.py::test_broken", "test_calc.py::test_skips"]
 '''
 
 
@@ -175,6 +180,8 @@ def test_a_mutation_that_runs_past_its_timeout_is_killed_one_of_a_broken_test_is
     out = capsys.readouterr().out
     assert statuses(out) == {"spins for ever": "killed (timeout)", "judged by a broken test": "broken"}
     assert "test_calc.py::test_broken fails unmutated" in out
+    assert "warning: a test skips unmutated (a bug only it can catch survives): SKIPPED [1] " \
+        "test_calc.py:18: no GPU here" in out
     assert fake_repo() == before and os.listdir(tempfile.tempdir) == []
 
 
@@ -184,4 +191,5 @@ def test_the_list_of_mutations_runs_nothing(fake_repo, capsys, monkeypatch):
     out = capsys.readouterr().out.split("\n")
     assert out[:2] == ["ok        calc.py: the low bound's condition dropped (a test)",
                        "          test_calc.py::test_clamp_raises_to_low"]
-    assert "gone      calc.py: max for min (a test)" in out and len(out) == 6 + 7 + 1  # the mutations, their tests, ""
+    assert "gone      calc.py: max for min (a test)" in out
+    assert len(out) == 6 + 8 + 1  # the mutations, their tests, ""
