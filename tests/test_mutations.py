@@ -17,14 +17,14 @@ LISTS = sorted(glob.glob(os.path.join(ROOT, "tests", "mutations", "*.toml")))
 
 
 def defined_tests(path):
-    """The test ids a test file defines: `name` and `Class::name`, parsed, not imported."""
-    tree = ast.parse(open(path).read())
+    """The tests a test file defines, `test_x` and `TestX::test_x`: parsed, not imported."""
     ids = set()
-    for node in tree.body:
-        functions = node.body if isinstance(node, ast.ClassDef) else [node]
-        prefix = f"{node.name}::" if isinstance(node, ast.ClassDef) else ""
-        ids |= {prefix + f.name for f in functions if isinstance(f, ast.FunctionDef)}
-    return ids
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            ids |= {f"{node.name}::{f.name}" for f in node.body if isinstance(f, ast.FunctionDef)}
+        elif isinstance(node, ast.FunctionDef):
+            ids.add(node.name)
+    return {i for i in ids if i.split("::")[-1].startswith("test")}
 
 
 @pytest.mark.parametrize("path", LISTS, ids=os.path.basename)
@@ -40,8 +40,9 @@ def test_every_mutation_list_is_well_formed(path, monkeypatch):
         where = f"{name}: {m['bug']!r}"
         assert os.path.isfile(m["file"]), f"{name}: no file {m['file']}"
         assert all(isinstance(m[key], str) for key in mutate.KEYS[:-1]), f"{where}: a key not text"
-        assert mutate.check(m) is None, f"{where}: its original text is {mutate.check(m)} in " \
-            f"{m['file']}" + ": line gone, update the entry" * (mutate.check(m) == "gone")
+        assert mutate.check(m) is None, f"{where}: " + {
+            "gone": f"its original text is no longer in {m['file']}: line gone, update the entry",
+            "ambiguous": f"its original text occurs more than once in {m['file']}"}[mutate.check(m)]
         assert m["original"] != m["mutated"], f"{where}: mutated is its original text"
         assert m["tests"] and all(isinstance(t, str) for t in m["tests"]), f"{where}: no tests"
         for test in m["tests"]:
