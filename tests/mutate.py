@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -89,6 +88,7 @@ RUNNING = set()  # the pytest processes under way, each the leader of its own pr
 
 def read_lists(paths):
     """Every mutation of the lists: a dict of its KEYS, its list's `file` and the list's path."""
+    import tomllib  # Python 3.11's (the mutmut mode runs on older ones too)
     mutations = []
     for path in paths:
         with open(path, "rb") as f:
