@@ -44,7 +44,10 @@ from pathlib import Path
 from queue import Queue
 
 
+# -- 1. mutmut's mutants ------------------------------------------------------------------------
+
 def mutmut_mode(source, tests):
+    """mutmut's mutants of the file `source`, run against `tests` (pytest's arguments)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the workers run side by side
     shutil.rmtree("mutants", ignore_errors=True)  # a run of another file left its own mutants there
     # tqdm's bars share a lock across forked processes: a mutant killed while holding it (a timeout)
@@ -80,7 +83,7 @@ def mutmut_mode(source, tests):
         print(f"{name} ({status[name]})", *changed, sep="\n")
 
 
-# -- 2. hand-written mutations ---------------------------------------------------------------
+# -- 2. hand-written mutations ------------------------------------------------------------------
 
 KEYS = ("bug", "origin", "original", "mutated", "tests")  # each [[mutation]]'s; the list: "file"
 RUNNING = set()  # the pytest processes under way, each the leader of its own process group
@@ -120,7 +123,7 @@ def scratch_copy(into):
             shutil.copy2(name, os.path.join(into, name), follow_symlinks=False)
 
 
-def pytest(where, args, timeout=None):
+def run_pytest(where, args, timeout=None):
     """pytest's exit status (None past the timeout) and its output, run in the folder `where`."""
     env = dict(os.environ, OMP_NUM_THREADS="1",  # the workers run side by side
                PYTHONDONTWRITEBYTECODE="1")  # a mutated file's .pyc could outlive it, same size
@@ -148,7 +151,7 @@ def unmutated(tests, copies):
     """Run a list's tests once as the code is: the seconds it took and {test: why it fails}."""
     where, t0 = copies.get(), time.perf_counter()
     try:
-        code, out = pytest(where, ["-rfEs", *tests])
+        code, out = run_pytest(where, ["-rfEs", *tests])
     finally:
         copies.put(where)
     seconds = time.perf_counter() - t0
@@ -178,7 +181,7 @@ def judge(m, copies, timeout):
     text = path.read_bytes()
     try:
         path.write_bytes(text.replace(m["original"].encode(), m["mutated"].encode(), 1))
-        code, _ = pytest(where, ["-x", *m["tests"]], timeout)
+        code, _ = run_pytest(where, ["-x", *m["tests"]], timeout)
     finally:
         path.write_bytes(text)
         copies.put(where)
