@@ -121,21 +121,25 @@ def test_an_ode_loads_at_another_depth_and_solver(saved, exported):  # noqa: F81
         assert (deeper - ours(idx)[0]).abs().max() > 1e-3  # not the 3 Euler steps it was trained at
 
 
-def test_a_saved_depth_is_the_depth_of_every_loader(saved, exported, tmp_path, capsys):  # noqa: F811
-    """from_pretrained(DIR, steps=5, solver="rk4") then save_pretrained: config.json keeps the depth,
-    and transformers, checkpoints.load_model (every script's loader), sample.py and a re-export run
-    the folder at 5 RK4 steps, not the checkpoint's 3 Euler steps."""
+@pytest.mark.parametrize("depth", [dict(steps=5, solver="rk4"), dict(solver="rk4"), dict(steps=5)],
+                         ids=["steps-and-solver", "solver", "steps"])
+def test_a_saved_depth_is_the_depth_of_every_loader(depth, saved, exported, tmp_path, capsys):  # noqa: F811
+    """from_pretrained(DIR, steps=5, solver="rk4") (or either alone) then save_pretrained: config.json
+    keeps the depth, and transformers, checkpoints.load_model (every script's loader), sample.py and a
+    re-export run the folder at it (5 RK4 steps; 3 RK4 steps; 5 Euler steps), not the checkpoint's 3
+    Euler steps."""
     ours, _ = checkpoints.load_model(saved["diffeq"])
-    auto(exported["diffeq"], steps=5, solver="rk4").save_pretrained(tmp_path / "deeper")
+    auto(exported["diffeq"], **depth).save_pretrained(tmp_path / "deeper")
     export.export(str(tmp_path / "deeper"), str(tmp_path / "again"))
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        expected = ours(idx, steps=5, solver="rk4")[0]
+        expected = ours(idx, **depth)[0]
+        assert not torch.equal(expected, ours(idx)[0])
         for folder in (tmp_path / "deeper", tmp_path / "again"):
             assert torch.equal(checkpoints.load_model(str(folder))[0](idx)[0], expected)
             torch.testing.assert_close(auto(folder)(idx).logits, expected, rtol=0, atol=0)
     sample.main([f"--init_from={tmp_path / 'deeper'}", "--max_new_tokens=2", "--start=!"])
-    assert "diffeq (gpt), 5 rk4 steps" in capsys.readouterr().err
+    assert f"diffeq (gpt), {ours.cfg.depth_label(**depth)}" in capsys.readouterr().err
 
 
 def test_labels_give_the_projects_loss(saved, exported):  # noqa: F811
