@@ -484,6 +484,22 @@ def test_logits_that_are_not_finite_are_one_line(tmp_path):
             theirs(idx)
 
 
+def test_logits_that_are_plus_infinity_are_one_line(tmp_path):
+    """A head row that makes +inf logits without a NaN (row 50 of the tied wte at 3e38 in one column,
+    which the final norm sets to 2: 6e38; the row adds up within float32, so the folder loads; token
+    50 is not in the input): one line too, not +inf passed on to generate, lm-eval or the Trainer."""
+    model = random_model(tokenizer_vocab=90)
+    with torch.no_grad():
+        model.wte.weight[50, 0], model.ln_f.weight[0], model.ln_f.bias[0] = 3e38, 0.0, 2.0
+    checkpoints.save(checkpoint(model), str(tmp_path / "ckpt.pt"))
+    export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "folder"))
+    theirs, idx = auto(tmp_path / "folder"), torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        logits = theirs.model(idx)[0]  # model.py's, unchecked: +inf at token 50 only, no NaN
+        assert logits[..., 50].eq(float("inf")).all() and logits[..., :50].isfinite().all()
+        with pytest.raises(ValueError, match=r"^3 logits are NaN or inf: the weights overflow torch.float32"):
+            theirs(idx)
+
 def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # noqa: F811
     """A folder without wte.weight (and one time-MLP weight): transformers reports them "newly
     initialized", and they are, by model.py's init (std 0.02), the rest as the folder holds them."""
