@@ -5,6 +5,7 @@ orphaned temporary files."""
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 import checkpoints
 import common
+import export
 import finetune
 import lora
 import sample
@@ -112,6 +114,47 @@ def test_a_folder_hash_covers_its_files_names(tmp_path):
     single = folder / "model-00001-of-00002.safetensors"
     assert checkpoints.file_hash(str(single)) == hashlib.sha256(b"weights").hexdigest()
 
+
+def folder_with_depth(tmp_path, depth, model_type="diffeq"):
+    """An exported folder of a tiny random model, its config.json given `depth` (steps, solver) as
+    save_pretrained writes it after from_pretrained(DIR, steps=..., solver=...); and that model."""
+    model = random_ode(model_type=model_type)
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(), model=model.state_dict(),
+                          tokenizer="byte"), str(tmp_path / "ckpt.pt"))
+    folder = tmp_path / "folder"
+    export.export(str(tmp_path / "ckpt.pt"), str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **depth}))
+    return str(folder), model
+
+
+@pytest.mark.parametrize("steps,solver", [(5, "rk4"), (None, "rk4"), (5, None)])
+def test_a_folders_saved_depth_is_the_depth_it_loads_at(tmp_path, steps, solver):
+    """A folder saved after from_pretrained(DIR, solver="rk4") holds "steps": null beside it (and the
+    other way round): every script's loader runs it at that solver (or step count), the checkpoint's
+    for the other, as transformers does, not at the 3 Euler steps it was trained at."""
+    folder, model = folder_with_depth(tmp_path, dict(steps=steps, solver=solver))
+    loaded, _ = checkpoints.load_model(folder)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(idx, steps=steps, solver=solver)[0]
+        assert not torch.equal(expected, model(idx)[0])
+        assert torch.equal(loaded(idx)[0], expected)
+    assert loaded.cfg.depth_label() == model.cfg.depth_label(steps, solver)
+
+
+@pytest.mark.parametrize("model_type,depth,message", [
+    ("diffeq", dict(steps=0), "steps=0 must be an integer in 1..1024"),
+    ("diffeq", dict(steps="5"), "steps='5' must be an integer in 1..1024"),
+    ("diffeq", dict(solver="rk5"), "solver='rk5' is not one of euler, midpoint, rk4"),
+    ("baseline", dict(steps=5), r"a baseline \(gpt\) model has 3 fixed layers and runs them with euler only"),
+])
+def test_a_bad_saved_depth_is_one_line_naming_the_folders_config(tmp_path, model_type, depth, message):
+    """A depth in config.json that no loader can run (written by hand, or by another version) is one
+    UserError naming the file, not a traceback from model.py."""
+    folder, _ = folder_with_depth(tmp_path, depth, model_type)
+    with pytest.raises(UserError, match=f"^{re.escape(folder)}/config.json: {message}"):
+        checkpoints.load_model(folder)
 
 def test_adapters_that_are_not_finite_are_one_line(tmp_path):
     """The finiteness check reads an adapters file's adapters too: one NaN in a lora_A is one line,
