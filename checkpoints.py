@@ -125,11 +125,10 @@ def load_folder(path):
         weights = {k[len("model."):]: w for k, w in weights.items()}
     model_config, depth = config["model_config"], (config.get("steps"), config.get("solver"))
     if depth != (None, None):  # saved after from_pretrained(DIR, steps=, solver=): the depth it ran
-        try:  # as model_from reads it: a model_config that is no object, or an unknown key, too
+        try:  # a model_config that is no object, or holds an unknown key: a TypeError
             steps, solver = ModelConfig(**model_config).depth(*depth)
         except (TypeError, ValueError) as e:
-            raise UserError(f"{path} has no usable model config ({type(e).__name__}: {e})") \
-                from None
+            raise UserError(f"{path}/config.json: {e}") from None
         model_config = {**model_config, "n_layer": steps, "solver": solver}  # an ODE's default
     return {"kind": MODEL, "model_config": model_config, "model": weights,
             "tokenizer": config["tokenizer"], "optimizer": None, "iter_num": 0,

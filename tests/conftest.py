@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 
@@ -37,6 +38,28 @@ def tokenizer_or_skip(name):
         return get_tokenizer(name)
     except DownloadError as e:
         pytest.skip(f"tiktoken cannot load {name} offline (point TIKTOKEN_CACHE_DIR at shared/tiktoken): {e}")
+
+
+def no_work(monkeypatch, owner, *names):
+    """Stub the functions `names` of `owner` (a module) to fail the test at once: the work a refusal
+    prevents (training, data preparation, a model build, sampling, jobs), so that a refusal that
+    breaks fails in a second, not after minutes of that work or at the OOM killer."""
+    for name in names:
+        monkeypatch.setattr(owner, name, functools.partial(work_began, f"{owner.__name__}.{name}"))
+
+
+def work_began(work, *args, **kwargs):
+    pytest.fail(f"work began: {work}", pytrace=False)
+
+
+def without_work(script, *works):
+    """The arguments of `python` that run `script` (train.py; experiments/seeds.py) as its command
+    line does, each of `works` ("module.function") stubbed as no_work does, the process exiting at
+    once: for a refusal that needs a process of its own (a lock another process holds, torchrun)."""
+    stubs = "".join(f"import {work.rsplit('.', 1)[0]}; {work} = lambda *a, **k: sys.exit("
+                    f"'work began: {work}'); " for work in works)
+    return ["-c", f"import runpy, sys; {stubs}sys.argv[0] = {script!r}; "
+                  f"runpy.run_path({script!r}, run_name='__main__')"]
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import checkpoints
 from configurator import UserError, run_main
 from model import DiffEqFormer, ModelConfig, attention, norm, rope_tables, stage_times
 
-from conftest import TINY
+from conftest import TINY, no_work
 
 
 def randomized(std=0.1, seed=0, **overrides):
@@ -305,7 +305,7 @@ def test_spectral_of_a_layer_model_goes_layer_by_layer(tmp_path):
     ("gpt --times", "--times applies only to an ODE checkpoint"),
     ("bad option", "--dim"),
 ])
-def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path):
+def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path, monkeypatch):
     out = f"--out={tmp_path / 'out'}"
     gpt = randomized(model_type="baseline", vocab_size=256, block_size=48)
     argv = {
@@ -321,6 +321,7 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path):
         "gpt --times": ["--spectral", "--init_from=" + save_checkpoint(tmp_path / "g.pt", gpt), "--times=50"],
         "bad option": ["--cluster", "--dim=2"],
     }[case]
+    no_work(monkeypatch, analyze, "cluster", "spectral", "lyapunov")
     with pytest.raises(UserError, match=match):
         analyze.main(argv + [out])
     assert not (tmp_path / "out").exists()  # every check comes before any work (--all does not simulate first)
@@ -334,13 +335,14 @@ def test_the_script_prints_one_error_line(tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: checkpoint")
 
 
-def test_the_default_prompt_fits_a_short_context(tiny_checkpoint, tmp_path, capsys):
+def test_the_default_prompt_fits_a_short_context(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     """--lyapunov without --prompt on a context of 48 said "the prompt is 91 tokens ... shorten
     it" of a prompt the user never gave: the default is cut to its last 48 tokens; a prompt the
     user gives is never cut."""
     analyze.main(["--lyapunov", f"--init_from={tiny_checkpoint}", f"--out={tmp_path}", "--steps=2"])
     tokens = np.load(tmp_path / "lyapunov.npz")["tokens"]  # byte ids
     assert bytes(tokens.tolist()) == analyze.DEFAULT_PROMPT.encode()[-48:]
+    no_work(monkeypatch, analyze, "lyapunov")
     with pytest.raises(UserError, match="the prompt is 91 tokens, longer than the model's context"):
         analyze.main(["--lyapunov", f"--init_from={tiny_checkpoint}", f"--out={tmp_path}",
                       f"--prompt={analyze.DEFAULT_PROMPT}"])

@@ -1,4 +1,5 @@
 """experiments/bench.py: --help, config files, paired interleaving, FLOP counts, and a tiny run with every row."""
+import functools
 import math
 import subprocess
 import sys
@@ -8,10 +9,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import common
 from experiments import bench
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT
+from conftest import ROOT, no_work, work_began
+from test_faults import one_line
 
 TINY = ["--threads=1", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--vocab_size=512",
         "--d_t=4", "--time_freqs=4", "--batch_size=2", "--pairs=3", "--warmup=1", "--no-compile",
@@ -86,9 +89,10 @@ def test_a_tiny_run_has_every_row_with_positive_finite_figures(capsys):
     assert out.count(": met") + out.count(": MISSED") == 4 and "dense matmul peak" in out
 
 
-def test_bad_keys_are_one_line():
-    done = subprocess.run([sys.executable, "-m", "experiments.bench", "--rows=train,fly"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.strip() == "error: rows='train,fly': fly is not one of train, inference, decode, memory"
+def test_bad_keys_are_one_line(capsys, monkeypatch):
+    no_work(monkeypatch, common, "setup")  # the benchmark's device: its rows would run next
+    line = one_line(bench.main, ["--rows=train,fly"], capsys, monkeypatch)
+    assert line == "error: rows='train,fly': fly is not one of train, inference, decode, memory"
 
 
 @pytest.mark.parametrize("script,argv,message", [
@@ -101,12 +105,10 @@ def test_threads_and_what_out_of_range_are_one_line_before_any_work(script, argv
     """experiments.bench --threads=-1 and bench_scale --threads=0 were torch.set_num_threads' RuntimeError after
     the setup, bench_scale --what=foo a KeyError: one line, where the flag is parsed. At the bounds, bench's
     --threads=0 (all threads) and bench_scale's --threads=1 are accepted."""
-    import common
     from experiments import bench_scale
-    from test_faults import one_line
-    monkeypatch.setattr(common, "setup", lambda *a, **k: pytest.fail("work began"))
-    never = {name: lambda *a: pytest.fail("work began") for name in bench_scale.WHAT}
-    monkeypatch.setattr(bench_scale, "WHAT", never)
+    no_work(monkeypatch, common, "setup")
+    for name in bench_scale.WHAT:  # step, comm, comm_plan, memory
+        monkeypatch.setitem(bench_scale.WHAT, name, functools.partial(work_began, f"bench_scale.{name}"))
     main = bench.main if script == "bench" else bench_scale.main
     assert one_line(main, argv, capsys, monkeypatch) == f"error: {message}"
     assert bench.parse_args(["--threads=0"])[1].threads == 0

@@ -5,6 +5,7 @@ orphaned temporary files."""
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 import checkpoints
 import common
+import export
 import finetune
 import lora
 import sample
@@ -23,7 +25,7 @@ from scale import resume, parallel
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, no_work, without_work
 from test_finetune import random_ode
 from test_sample import save_model
 
@@ -113,6 +115,47 @@ def test_a_folder_hash_covers_its_files_names(tmp_path):
     assert checkpoints.file_hash(str(single)) == hashlib.sha256(b"weights").hexdigest()
 
 
+def folder_with_depth(tmp_path, depth, model_type="diffeq"):
+    """An exported folder of a tiny random model, its config.json given `depth` (steps, solver) as
+    save_pretrained writes it after from_pretrained(DIR, steps=..., solver=...); and that model."""
+    model = random_ode(model_type=model_type)
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(), model=model.state_dict(),
+                          tokenizer="byte"), str(tmp_path / "ckpt.pt"))
+    folder = tmp_path / "folder"
+    export.export(str(tmp_path / "ckpt.pt"), str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **depth}))
+    return str(folder), model
+
+
+@pytest.mark.parametrize("steps,solver", [(5, "rk4"), (None, "rk4"), (5, None)])
+def test_a_folders_saved_depth_is_the_depth_it_loads_at(tmp_path, steps, solver):
+    """A folder saved after from_pretrained(DIR, solver="rk4") holds "steps": null beside it (and the
+    other way round): every script's loader runs it at that solver (or step count), the checkpoint's
+    for the other, as transformers does, not at the 3 Euler steps it was trained at."""
+    folder, model = folder_with_depth(tmp_path, dict(steps=steps, solver=solver))
+    loaded, _ = checkpoints.load_model(folder)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(idx, steps=steps, solver=solver)[0]
+        assert not torch.equal(expected, model(idx)[0])
+        assert torch.equal(loaded(idx)[0], expected)
+    assert loaded.cfg.depth_label() == model.cfg.depth_label(steps, solver)
+
+
+@pytest.mark.parametrize("model_type,depth,message", [
+    ("diffeq", dict(steps=0), "steps=0 must be an integer in 1..1024"),
+    ("diffeq", dict(steps="5"), "steps='5' must be an integer in 1..1024"),
+    ("diffeq", dict(solver="rk5"), "solver='rk5' is not one of euler, midpoint, rk4"),
+    ("baseline", dict(steps=5), r"a baseline \(gpt\) model has 3 fixed layers and runs them with euler only"),
+])
+def test_a_bad_saved_depth_is_one_line_naming_the_folders_config(tmp_path, model_type, depth, message):
+    """A depth in config.json that no loader can run (written by hand, or by another version) is one
+    UserError naming the file, not a traceback from model.py."""
+    folder, _ = folder_with_depth(tmp_path, depth, model_type)
+    with pytest.raises(UserError, match=f"^{re.escape(folder)}/config.json: {message}"):
+        checkpoints.load_model(folder)
+
 def test_adapters_that_are_not_finite_are_one_line(tmp_path):
     """The finiteness check reads an adapters file's adapters too: one NaN in a lora_A is one line,
     not a merged model that computes NaN (the other finiteness tests poison wte.weight only)."""
@@ -154,7 +197,7 @@ def test_a_malformed_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, mo
         ckpt = finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 2)
         ckpt[entry] = value
     torch.save(ckpt, tmp_path / "bad.pt")
-    monkeypatch.setattr(sample, "generate", lambda *a, **k: pytest.fail("work began"))
+    no_work(monkeypatch, sample, "generate")
     line = one_line(sample.main, [f"--init_from={tmp_path / 'bad.pt'}", "--device=cpu"], capsys, monkeypatch)
     assert line.startswith(f"error: {tmp_path / 'bad.pt'} {message}"), line
 
@@ -236,7 +279,8 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
 def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
     held = common.lock(str(tmp_path / "out"))
     try:
-        done = subprocess.run([sys.executable, "train.py", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"],
+        done = subprocess.run([sys.executable, *without_work("train.py", "common.prepare_data"),
+                               f"--out_dir={tmp_path / 'out'}", "--max_iters=1"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
         assert done.stderr.strip().splitlines() == [
@@ -288,7 +332,9 @@ def test_a_killed_runs_lock_is_released_with_or_without_fcntl(tmp_path, shakespe
            f"--data_root={tmp_path / 'data'}"]
     try:
         assert holder.stdout.readline() == "held\n"
-        refused = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        stubbed = [sys.executable, "-c", setup + without_work("train.py", "common.prepare_data")[1]]
+        refused = subprocess.run([*stubbed, *run[3:]], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=120)
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
             f"error: {out} is in use by a run that is still going (pid {holder.pid}); wait for it "
             f"to finish or choose another --out_dir"]
@@ -313,15 +359,17 @@ def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anythi
     again = [*base, "--max_iters=4", f"--data_root={tmp_path / 'data2'}"]
     (tmp_path / "base.pt").write_bytes(before["ckpt.pt"])  # a base beside the run (in it: refused anyway)
     finetune_again = ["--steps=2", f"--init_from={tmp_path / 'base.pt'}", *again[-3:]]
-    for main, argv in ((train.main, again), (finetune.main, finetune_again)):
-        line = one_line(main, argv, capsys, monkeypatch)
-        assert line == (f"error: {tmp_path / 'out'} holds a run (ckpt.pt): continue it with --init_from=resume, "
-                        f"write elsewhere with another --out_dir, or start over with --overwrite (which removes "
-                        f"its files first)")
-    assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
-    assert not (tmp_path / "data2").exists()  # refused before the data
-    line = one_line(train.main, [*again, "--overwrite", "--init_from=resume"], capsys, monkeypatch)
-    assert line == "error: --overwrite starts a new run over out_dir's, --init_from=resume continues it: choose one"
+    with monkeypatch.context() as refused:
+        no_work(refused, common, "prepare_data")
+        for main, argv in ((train.main, again), (finetune.main, finetune_again)):
+            line = one_line(main, argv, capsys, monkeypatch)
+            assert line == (f"error: {tmp_path / 'out'} holds a run (ckpt.pt): continue it with --init_from=resume, "
+                            f"write elsewhere with another --out_dir, or start over with --overwrite (which "
+                            f"removes its files first)")
+        assert {name: (tmp_path / "out" / name).read_bytes() for name in before} == before
+        assert not (tmp_path / "data2").exists()  # refused before the data
+        line = one_line(train.main, [*again, "--overwrite", "--init_from=resume"], capsys, monkeypatch)
+        assert line == "error: --overwrite starts a new run over out_dir's, --init_from=resume continues it: choose one"
     train.main([*again, "--overwrite"])
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 4
     assert [json.loads(r)["iter"] for r in open(tmp_path / "out" / "log.jsonl") if "val_loss" in r] == [0, 2, 4]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import prepare
 from configurator import ConfigError, UserError, run_main
 
-from conftest import ROOT, tokenizer_or_skip
+from conftest import ROOT, no_work, tokenizer_or_skip
 from test_sample import random_model, recomputed_logits, save_model
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing here may reach the network
@@ -141,8 +141,9 @@ def test_an_ode_at_steps_gives_what_its_materialised_model_gives(tmp_path):
 
 
 @needs_lm_eval
-def test_unknown_tasks_and_missing_checkpoints_are_one_clear_error(tmp_path):
+def test_unknown_tasks_and_missing_checkpoints_are_one_clear_error(tmp_path, monkeypatch):
     from experiments import eval
+    no_work(monkeypatch, eval, "evaluate")
     path = save_model(tmp_path / "ode.pt", random_model(vocab_size=256, block_size=BLOCK))
     with pytest.raises(UserError, match="checkpoint nowhere.pt does not exist"):
         eval.main(["--init_from=nowhere.pt", "--tasks=tiny_choice", f"--include_path={TASK_DIR}"])
@@ -162,7 +163,7 @@ def test_a_continuation_longer_than_the_context_is_one_line_naming_the_task(tmp_
     from experiments import eval
     from test_faults import one_line
     short = save_model(tmp_path / "short.pt", random_model(vocab_size=256, block_size=8))  # " an elephant"
-    monkeypatch.setattr(eval.CheckpointLM, "logprobs", lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, eval.CheckpointLM, "logprobs")
     for compare in ([], [f"--compare={short}"]):
         argv = [f"--init_from={short}", *compare, "--tasks=tiny_choice", f"--include_path={TASK_DIR}",
                 f"--out={tmp_path / 'out'}", "--device=cpu"]
@@ -219,6 +220,7 @@ def test_lm_evals_own_command_line_runs_a_checkpoint_by_name(tmp_path, monkeypat
         for key, value in expected["results"][task].items():
             if isinstance(value, float) and "stderr" not in key:
                 assert by_name["results"][task][key] == pytest.approx(value, rel=1e-5), (task, key)
+    no_work(monkeypatch, harness.HarnessCLI, "execute")  # lm-eval's run
     with pytest.raises(ConfigError, match=r"--model_args stepz=\.\.\.: diffeqformer takes"):
         harness.main(["--model", "diffeqformer", "--model_args", f"init_from={path},stepz=5",
                       "--tasks", "tiny_choice", "--include_path", TASK_DIR])

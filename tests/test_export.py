@@ -20,7 +20,7 @@ import prepare
 import sample
 import train
 from configurator import UserError, run_main
-from conftest import TINY, tokenizer_or_skip
+from conftest import TINY, no_work, tokenizer_or_skip
 from model import DiffEqFormer, ModelConfig
 
 KINDS = ("diffeq", "shared", "gpt", "llama", "materialized", "merged", "adapters")
@@ -172,8 +172,10 @@ def test_an_export_into_the_folder_of_a_run_that_goes_on_is_refused(saved, tmp_p
     out = str(tmp_path / "run")
     held = common.lock(out)
     try:
-        with pytest.raises(UserError, match=f"^{re.escape(out)} is in use by a run that is still going "
-                                            rf"\(pid {os.getpid()}\); wait for it to finish or choose another --out$"):
+        with monkeypatch.context() as refused, pytest.raises(
+                UserError, match=f"^{re.escape(out)} is in use by a run that is still going "
+                                 rf"\(pid {os.getpid()}\); wait for it to finish or choose another --out$"):
+            no_work(refused, export, "save_folder")
             export.export(saved["gpt"], out)
     finally:
         held.release()
@@ -199,7 +201,7 @@ def test_two_exports_at_once_into_one_new_folder_the_second_is_refused(saved, tm
     out, real = str(tmp_path / "new"), export.save_folder
 
     def while_writing(model, tokenizer, folder, facts):
-        monkeypatch.setattr(export, "save_folder", lambda *a: pytest.fail("work began"))
+        no_work(monkeypatch, export, "save_folder")
         line = one_line(export.main, [f"--init_from={saved['llama']}", f"--out={folder}"], capsys, monkeypatch)
         assert line == (f"error: {out} is in use by a run that is still going (pid {os.getpid()}); wait for it to "
                         f"finish or choose another --out")
@@ -223,17 +225,18 @@ def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(sa
     user.mkdir()
     (user / "README.md").write_text("# my project\n")
     (user / "model.py").write_text("print('my model')\n")
-    monkeypatch.setattr(checkpoints, "load_model", None)  # refused before the model is read
-    line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, monkeypatch)
+    with monkeypatch.context() as refused:
+        no_work(refused, checkpoints, "load_model")  # refused before the model is read
+        line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, refused)
     assert line == (f"error: --out={user} holds files that are not an export of this project (README.md, "
                     f"model.py): export into an empty or a new folder, or over an earlier export")
     assert sorted(os.listdir(user)) == ["README.md", "model.py"]
     assert (user / "README.md").read_text() == "# my project\n"
-    monkeypatch.undo()
     export.export(saved["gpt"], str(tmp_path / "exp"))
     first = (tmp_path / "exp" / "model.safetensors").read_bytes()
     export.export(saved["llama"], str(tmp_path / "exp"))  # over an earlier export: another model
     assert (tmp_path / "exp" / "model.safetensors").read_bytes() != first
+    no_work(monkeypatch, checkpoints, "load_model")
     (tmp_path / "exp" / "notes.txt").write_text("mine\n")  # a user's file beside an export: kept, refused
     with pytest.raises(UserError, match=r"not an export of this project \(notes.txt\)"):
         export.export(saved["gpt"], str(tmp_path / "exp"))
@@ -241,6 +244,28 @@ def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(sa
     (tmp_path / "exp" / "README.md").write_text("# my notes\n")  # its card replaced: no export now
     with pytest.raises(UserError, match="not an export of this project"):
         export.export(saved["gpt"], str(tmp_path / "exp"))
+
+
+@pytest.mark.parametrize("front_matter", ["---\nlicense: mit\n---",  # a Hub model card's
+                                          "---\nlibrary_name: transformers\n---"])  # another project's
+def test_a_users_model_card_with_yaml_front_matter_is_no_earlier_export(saved, tmp_path, capsys,
+                                                                       monkeypatch, front_matter):
+    """Every Hub model card opens with YAML front matter (`---`), as export.py's own does: a user's folder
+    whose README.md opens so, beside a model.py of their own, is refused like any other, its files' bytes
+    as they were; only export.py's card (export.CARD) marks an earlier export."""
+    from test_faults import one_line
+    user = tmp_path / "user"
+    user.mkdir()
+    files = {"README.md": f"{front_matter}\n# my project\n", "model.py": "print('my model')\n",
+             "config.json": '{"model_type": "mine"}\n'}  # every name one an export writes
+    for name, text in files.items():
+        (user / name).write_text(text)
+    no_work(monkeypatch, checkpoints, "load_model")
+    line = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={user}"], capsys, monkeypatch)
+    assert line == (f"error: --out={user} holds files that are not an export of this project "
+                    f"(README.md, config.json, model.py): export into an empty or a new folder, or over "
+                    f"an earlier export")
+    assert {p.name: p.read_text() for p in user.iterdir()} == files
 
 
 def test_an_export_over_one_of_the_other_format_leaves_none_of_its_files(saved, tmp_path):
@@ -423,10 +448,9 @@ def broken_config(folder, edit):
     # a model_config that is no object, or holds an unknown key, beside a depth (steps: from_pretrained(DIR,
     # steps=)) was a TypeError traceback; without a depth, one line already
     ("a list", "has no usable model config (TypeError: "),
-    ("a list and steps", "has no usable model config (TypeError: "),
-    ("a string and steps", "has no usable model config (TypeError: "),
-    ("an unknown key and steps", "has no usable model config (TypeError: "),
-    ("steps out of range", "has no usable model config (ValueError: steps=0 must be an integer in 1..1024"),
+    ("a list and steps", "config.json: model.ModelConfig() argument after ** must be a mapping, not list"),
+    ("a string and steps", "config.json: model.ModelConfig() argument after ** must be a mapping, not str"),
+    ("an unknown key and steps", "config.json: ModelConfig.__init__() got an unexpected keyword argument 'widht'"),
 ])
 def test_a_broken_folder_is_one_line(saved, tmp_path, capsys, monkeypatch, fault, message):
     folder = tmp_path / "folder"
@@ -444,10 +468,9 @@ def test_a_broken_folder_is_one_line(saved, tmp_path, capsys, monkeypatch, fault
         broken_config(folder, lambda c: c.update(model_config=[1, 2] if "list" in fault else "x", **depth))
     elif fault == "an unknown key and steps":
         broken_config(folder, lambda c: c.update(steps=3, model_config={**c["model_config"], "widht": 8}))
-    elif fault == "steps out of range":
-        broken_config(folder, lambda c: c.update(steps=0))
     else:
         (folder / "config.json").write_text(json.dumps({"model_type": "bert"} if fault == "a bert" else {}))
+    no_work(monkeypatch, sample, "generate")
     err = one_line(sample.main, [f"--init_from={folder}"], capsys, monkeypatch)
     assert err.startswith("error: ") and message in err, err
 
@@ -456,6 +479,7 @@ def test_a_checkpoint_whose_config_disagrees_with_its_weights_is_one_line(saved,
     ckpt = checkpoints.load(saved["gpt"])
     ckpt["model_config"]["n_embd"] = 64
     checkpoints.save(ckpt, str(tmp_path / "ckpt.pt"))
+    no_work(monkeypatch, sample, "generate")
     err = one_line(sample.main, [f"--init_from={tmp_path / 'ckpt.pt'}"], capsys, monkeypatch)
     assert "does not hold the weights of its baseline model (wte.weight is (96, 32) in the file" in err
 

@@ -17,6 +17,7 @@ import torch
 
 import analyze
 import checkpoints
+import common
 import finetune
 import lora
 import prepare
@@ -24,7 +25,7 @@ import sample
 import train
 from configurator import run_main
 
-from conftest import ROOT
+from conftest import ROOT, no_work, without_work
 from test_train import losses, tiny_and
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -44,7 +45,8 @@ def one_line(main, argv, capsys, monkeypatch, code=2):
 def test_the_flagship_on_a_cpu_machine_is_refused_by_rank_0_before_any_download(tmp_path):
     """torchrun ... train.py config/llama1b.py on CPUs: the memory plan refuses it first, before the GPT-2
     tokenizer or OpenWebText is fetched (offline both would fail); one error line, every rank exits 2."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
+           sys.executable, *without_work("train.py", "prepare.get_tokenizer", "common.prepare_data"),
            "config/llama1b.py", "--device=cpu", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**ENV, "TIKTOKEN_CACHE_DIR": str(tmp_path / "no-cache")})
@@ -179,6 +181,7 @@ def test_a_file_in_the_way_is_one_line(tmp_path, capsys, monkeypatch, shakespear
     (tmp_path / "file").write_text("not a folder")
     paths = {"out_dir": tmp_path / "out", "data_root": tmp_path / "data", flag: tmp_path / "file"}
     argv = tiny_and(f"--input_file={shakespeare}", *(f"--{k}={v}" for k, v in paths.items()))
+    no_work(monkeypatch, train, "fit")
     line = one_line(train.main, argv, capsys, monkeypatch)
     assert line == f"error: cannot write into --{flag}={tmp_path / 'file'}: it is a file, not a folder; " \
                    f"choose another --{flag}"
@@ -197,12 +200,14 @@ def test_a_read_only_folder_is_one_line(tmp_path, capsys, monkeypatch, shakespea
     monkeypatch.setattr("builtins.open", guarded)
     paths = {"out_dir": tmp_path / "out", "data_root": tmp_path / "data", flag: read_only}
     argv = tiny_and(f"--input_file={shakespeare}", *(f"--{k}={v}" for k, v in paths.items()))
+    no_work(monkeypatch, train, "fit")
     line = one_line(train.main, argv, capsys, monkeypatch)
     assert line == f"error: cannot write into --{flag}={read_only}: Read-only file system; choose another --{flag}"
 
 
 def test_analyze_with_a_file_as_out_is_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
+    no_work(monkeypatch, analyze, "cluster")
     line = one_line(analyze.main, ["--cluster", f"--out={tmp_path / 'file'}"], capsys, monkeypatch)
     assert line.endswith("it is a file, not a folder; choose another --out")
 
@@ -217,14 +222,14 @@ def test_the_experiments_with_a_file_as_out_are_one_line_before_the_work(tmp_pat
     from test_sample import byte_model, save_model
     (tmp_path / "file").write_text("x")
     path = save_model(tmp_path / "m.pt", byte_model())
-    monkeypatch.setattr(common, "prepare_data", lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, common, "prepare_data")
     line = one_line(depth.main, [f"--init_from={path}", f"--out={tmp_path / 'file'}", "--device=cpu"], capsys,
                     monkeypatch)
     assert line == (f"error: cannot write into --out={tmp_path / 'file'}: it is a file, not a folder; choose "
                     f"another --out")
     if importlib.util.find_spec("lm_eval"):  # an optional extra
         from experiments import eval
-        monkeypatch.setattr(eval, "evaluate", lambda *a: pytest.fail("work began"))
+        no_work(monkeypatch, eval, "evaluate")
         tasks = ["--tasks=tiny_choice", f"--include_path={os.path.join(ROOT, 'tests', 'eval_task')}"]
         line = one_line(eval.main, [f"--init_from={path}", *tasks, f"--out={tmp_path / 'file'}", "--device=cpu"],
                         capsys, monkeypatch)
@@ -284,6 +289,7 @@ def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(t
     (sample.main, ["--steps", "5000"], "steps=5000 must be an integer in 1..1024"),
 ])
 def test_step_counts_are_bounded_where_the_flag_is_parsed(main, argv, message, capsys, monkeypatch):
+    no_work(monkeypatch, common, "setup")
     assert message in one_line(main, argv, capsys, monkeypatch)
 
 
@@ -291,6 +297,7 @@ def test_a_binary_prompt_file_is_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "binary.bin").write_bytes(bytes(range(128, 256)))
     from test_sample import byte_model, save_model
     path = save_model(tmp_path / "m.pt", byte_model())
+    no_work(monkeypatch, sample, "generate")
     line = one_line(sample.main, [f"--init_from={path}", f"--start=FILE:{tmp_path / 'binary.bin'}"], capsys,
                     monkeypatch)
     assert line == f"error: prompt file {tmp_path / 'binary.bin'} is not UTF-8 text"
@@ -304,6 +311,7 @@ def test_a_binary_prompt_file_is_one_line(tmp_path, capsys, monkeypatch):
     (["config/"], "error: config/ is a folder, not a config file: name one of its files"),
 ])
 def test_a_bad_setting_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    no_work(monkeypatch, common, "setup")
     line = one_line(train.main, [*argv, f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"],
                     capsys, monkeypatch)
     assert line.startswith(message) and not (tmp_path / "data").exists()
@@ -431,6 +439,7 @@ def test_an_export_to_a_disk_without_room_for_the_weights_is_one_line_before_any
     path = save_model(tmp_path / "m.pt", byte_model())
     free = shutil.disk_usage(tmp_path)._replace(free=5000)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: free)
+    no_work(monkeypatch, export, "save_folder")
     line = one_line(export.main, [f"--init_from={path}", f"--out={tmp_path / 'out'}"], capsys, monkeypatch)
     assert line.startswith(f"error: {tmp_path / 'out'} has 0.0 MiB free, and the weights alone take 0.")
     assert os.listdir(tmp_path / "out") == []
@@ -468,6 +477,10 @@ def test_a_checkpoint_with_weights_that_are_not_finite_is_one_line_for_every_com
     path = nan_checkpoint(tmp_path, value, export)
     expected = (f"error: {path} holds weights that are not finite: 1 of the 8,192 values of wte.weight are NaN "
                 f"or inf (a run that diverged?); use an earlier checkpoint")
+    no_work(monkeypatch, analyze, "spectral")  # LAPACK crashed on them (a segfault)
+    no_work(monkeypatch, sample, "generate")
+    no_work(monkeypatch, common, "prepare_data")  # train.py's and finetune.py's
+    no_work(monkeypatch, exporter, "save_folder")
     for main, argv in [(analyze.main, ["--spectral", f"--out={tmp_path / 'a'}"]),
                        (sample.main, ["--temperature=0", "--max_new_tokens=2"]),
                        (finetune.main, ["--steps=2", "--lora", f"--out_dir={tmp_path / 'f'}"]),
@@ -541,12 +554,10 @@ def test_resuming_on_other_data_is_refused_before_that_data_is_prepared(tmp_path
                                                                          capsys, monkeypatch):
     """--init_from=resume --dataset=wikitext2 downloaded (or tokenised) the other data first, and
     only then refused to switch a run's data: offline, its one line was the download's."""
-    import common
     args = [f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1",
             "--eval_interval=1"]
     train.main(tiny_and(*args, f"--input_file={shakespeare}"))
-    monkeypatch.setattr(common, "prepare_data",
-                        lambda *a: pytest.fail("the data was prepared before the refusal"))
+    no_work(monkeypatch, common, "prepare_data")  # the data, prepared before the refusal
     resume = tiny_and(*args, "--init_from=resume", "--dataset=wikitext2")
     line = one_line(train.main, resume, capsys, monkeypatch)
     assert line.startswith(f"error: the run in {tmp_path / 'out'} trains on --dataset=shakespeare: "
@@ -559,8 +570,7 @@ def test_the_gpu_check_on_a_full_disk_stops_before_its_tests_and_leaves_no_empty
     ran them into a disk that took no byte, and left the log empty behind its one line."""
     from experiments import gpu_check
     full_disk(tmp_path / "out")
-    monkeypatch.setattr(gpu_check.subprocess, "Popen",
-                        lambda *a, **k: pytest.fail("the tests ran on a full disk"))
+    no_work(monkeypatch, gpu_check.subprocess, "Popen")  # the tests, run on a full disk
     line = one_line(gpu_check.main, [f"--out={tmp_path / 'out'}"], capsys, monkeypatch)
     assert line == (f"error: could not write {tmp_path / 'out' / 'gpu_check.json'}: No space left "
                     f"on device; free some space or write elsewhere")

@@ -17,7 +17,7 @@ import train
 from configurator import ConfigError, UserError
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, no_work
 
 
 def random_ode(**overrides):
@@ -252,7 +252,7 @@ def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakesp
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in pairs)
 
 
-def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
+def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare, monkeypatch):
     """Adapters and runs record their base's sha256: after the base is retrained in place, merging or
     resuming is refused; the original base, kept elsewhere, is accepted with --merge_base."""
     data = f"--data_root={tmp_path / 'data'}"
@@ -264,10 +264,13 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
     finetune.main(["--steps", "3", f"--init_from={base}", "--max_iters=2", "--eval_interval=2", *target])
     adapters = str(tmp_path / "ft" / "adapters.pt")
     pretrain(tmp_path, shakespeare, "--seed=7", "--overwrite")  # the base retrained in place: another model
-    with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
-        finetune.main(["--merge", adapters])
-    with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
-        finetune.main(["--init_from=resume", *target])
+    with monkeypatch.context() as refused:
+        no_work(refused, checkpoints, "save")  # the merged checkpoint
+        with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
+            finetune.main(["--merge", adapters])
+        no_work(refused, common, "prepare_data")  # the resumed run's
+        with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
+            finetune.main(["--init_from=resume", *target])
     merged = checkpoints.load(finetune.merge_file(adapters, str(original)))
     expected, _ = checkpoints.load_model(adapters, merge_base=str(original))
     assert all(torch.equal(v, merged["model"][k]) for k, v in expected.state_dict().items())
@@ -275,7 +278,7 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare):
     assert not torch.equal(wrong.layers[0].attn.weight, expected.layers[0].attn.weight)
 
 
-def test_merge_refuses_a_checkpoint_without_adapters_and_the_settings_it_would_ignore(tmp_path):
+def test_merge_refuses_a_checkpoint_without_adapters_and_the_settings_it_would_ignore(tmp_path, monkeypatch):
     """--merge on a plain checkpoint wrote it again as merged.pt; --lora_rank, --steps, --max_iters
     beside --merge were ignored without a word."""
     ode, path = random_ode(), str(tmp_path / "plain.pt")
@@ -284,6 +287,7 @@ def test_merge_refuses_a_checkpoint_without_adapters_and_the_settings_it_would_i
                                         f"{checkpoints.ADAPTERS} checkpoint$"):
         finetune.main([f"--merge={path}"])
     assert not (tmp_path / "merged.pt").exists()
+    no_work(monkeypatch, finetune, "merge_file")
     with pytest.raises(ConfigError, match="^--merge folds adapters into their base with the settings recorded in the "
                                           "adapters file, and trains nothing: it would ignore --lora_rank, "
                                           "--max_iters, --steps; leave them out$"):
@@ -316,7 +320,7 @@ def test_merge_never_writes_over_the_adapters_base_nor_an_earlier_merge_without_
     assert finetune.merge_file(round1) == str(ch / "merged.pt")
     round2 = adapters_beside(ch / "merged.pt", ch / "adapters-round2.pt")
     before = (ch / "merged.pt").read_bytes()
-    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
+    no_work(monkeypatch, checkpoints, "load_model")
     for overwrite in ([], ["--overwrite"]):
         with pytest.raises(UserError, match=f"^--merge={round2} would write {ch / 'merged.pt'} over their base: move "
                                             f"the adapters file into a folder of its own and merge it there"):
@@ -342,7 +346,8 @@ def test_merge_never_writes_over_the_adapters_base_nor_an_earlier_merge_without_
     (["--parallel=fsdp"], "finetune.py runs under DDP"),
     (["--merge_base=base.pt"], "--merge_base names the base checkpoint of the adapters that --merge folds in"),
 ])
-def test_options_fine_tuning_cannot_take_are_one_clear_error(argv, message):
+def test_options_fine_tuning_cannot_take_are_one_clear_error(argv, message, monkeypatch):
+    no_work(monkeypatch, common, "setup")
     with pytest.raises(UserError, match=message):
         finetune.main(argv)
 

@@ -9,6 +9,7 @@ import torch
 
 import test_cuda
 from configurator import UserError
+from conftest import no_work
 from experiments import gpu_check
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's version (on a GPU: minutes, run it)")
@@ -87,7 +88,7 @@ def test_a_bad_budget_or_out_is_one_line_before_any_work(tmp_path, flag, message
     """A zero or negative budget ran and skipped every part without a word; a file as --out was
     os.makedirs' FileExistsError."""
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(gpu_check, "run_tests", lambda *args: pytest.fail("the check ran"))
+    no_work(monkeypatch, gpu_check, "run_tests")
     with pytest.raises(UserError) as e:
         gpu_check.main([flag.format(file=tmp_path / "file")])
     assert str(e.value).startswith(message.format(file=tmp_path / "file"))

@@ -1,8 +1,10 @@
 """The last bad inputs (issue 42), in the scripts that share them: a seed, a Ctrl-C while a script
 imports, a prompt file; each is one line (or a quiet exit), before any work."""
+import errno
 import importlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -11,13 +13,14 @@ import pytest
 import common
 import finetune
 import prepare
+import sample
 import train
-from configurator import UserError
+from configurator import UserError, run_main
 from model import ModelConfig
 
-from conftest import ROOT
+from conftest import ROOT, no_work
 from test_faults import one_line
-from test_sample import byte_model, save_model
+from test_sample import byte_model, random_model, save_model
 
 # Runs a script as `python SCRIPT` does, with a Ctrl-C arriving as it imports numpy or torch,
 # whichever comes first: deterministic, where a timed os.kill would race the imports.
@@ -48,6 +51,27 @@ def test_a_ctrl_c_while_a_script_imports_is_one_line(script):
     assert done.stderr == "stopped by Ctrl-C\n" and done.returncode == -signal.SIGINT, done.stderr
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_ctrl_c_under_torchrun_is_said_by_rank_0_alone(rank, capsys, monkeypatch):
+    """torchrun passes a Ctrl-C to every rank: "stopped by Ctrl-C" is printed once, by rank 0, whether
+    it comes while the script imports (sys.excepthook) or while it runs (run_main); every rank
+    stops (SIGINT, status 130)."""
+    env = {**os.environ, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2"}
+    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_IMPORT, "train.py"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    said = "stopped by Ctrl-C\n" if rank == "0" else ""
+    assert done.stderr == said and done.returncode == -signal.SIGINT, done.stderr
+
+    def main(argv):
+        raise KeyboardInterrupt
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as stopped:
+        run_main(main)
+    assert stopped.value.code == 130 and capsys.readouterr().err == said
+
+
 @pytest.mark.parametrize("seed", ["100000000000000000000", "-1", str(2 ** 32)])
 @pytest.mark.parametrize("script,argv", [
     ("train", []), ("sample", []), ("analyze", ["--cluster"]), ("finetune", []),
@@ -58,6 +82,8 @@ def test_a_seed_out_of_range_is_one_line_in_every_script(script, argv, seed, tmp
     """torch.manual_seed overflowed on 1e20 (train.py, sample.py) and numpy refused -1 (analyze.py
     --cluster), each as a traceback after some work: one rule, where a flag is parsed."""
     monkeypatch.chdir(tmp_path)  # nothing may be written: the folder stays empty
+    no_work(monkeypatch, common, "setup")  # every script's device, dtype and seed: its work begins
+    no_work(monkeypatch, importlib.import_module("analyze"), "cluster")  # analyze.py --cluster's
     main = importlib.import_module(script).main
     line = one_line(main, [*argv, f"--seed={seed}"], capsys, monkeypatch)
     assert line == f"error: --seed={seed} must be a whole number in 0..4294967295"
@@ -83,6 +109,36 @@ def test_a_prompt_file_is_any_readable_file_and_its_faults_name_it(tmp_path):
     assert prepare.read_prompt("") == ""  # a literal prompt as it is (encode_prompt refuses it)
 
 
+@pytest.mark.parametrize("fault", ["a socket", "EIO", "EACCES"])
+def test_a_prompt_file_that_exists_but_cannot_be_read_is_one_line(fault, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A socket (open() refuses it, for root too), a disk's read error, a file without read
+    permission (root reads one, so its error is injected as the disk's is): `sample.py
+    --start=FILE:prompt` says which file and why in one line, and samples nothing."""
+    path = save_model(tmp_path / "m.pt", byte_model())
+    monkeypatch.chdir(tmp_path)  # a relative path: a socket's path has at most 107 bytes
+    if fault == "a socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind("prompt")
+        why = os.strerror(errno.ENXIO)
+    else:
+        (tmp_path / "prompt").write_text("ROMEO:")
+        real_open, code = open, getattr(errno, fault)
+
+        def unreadable(name, *args, **kwargs):
+            if name == "prompt":
+                raise OSError(code, os.strerror(code), name)
+            return real_open(name, *args, **kwargs)
+        monkeypatch.setattr("builtins.open", unreadable)
+        why = os.strerror(code)
+    monkeypatch.setattr(sample, "generate", lambda *a, **k: pytest.fail("work began"))
+    line = one_line(sample.main, [f"--init_from={path}", "--start=FILE:prompt"], capsys,
+                    monkeypatch)
+    assert line == f"error: prompt file prompt cannot be read: {why}"
+    if fault == "a socket":
+        server.close()
+
+
 def test_a_prompt_file_is_read_up_to_its_bound_in_bytes_and_one_byte_more_is_refused(
         tmp_path, capsys, monkeypatch):
     """--start=FILE:/dev/zero (and analyze.py's --prompt) read without bound: a MemoryError
@@ -90,7 +146,6 @@ def test_a_prompt_file_is_read_up_to_its_bound_in_bytes_and_one_byte_more_is_ref
     most MAX_PROMPT_BYTES (the bound accepted, one byte more refused, /dev/zero read no further),
     said in the one line, before the work."""
     import analyze
-    import sample
     bound = prepare.MAX_PROMPT_BYTES
     (tmp_path / "at.txt").write_bytes(b"a\r\n" + b"b" * (bound - 3))  # newlines as open() reads
     assert prepare.read_prompt(f"FILE:{tmp_path / 'at.txt'}") == "a\n" + "b" * (bound - 3)
@@ -101,8 +156,8 @@ def test_a_prompt_file_is_read_up_to_its_bound_in_bytes_and_one_byte_more_is_ref
                                             rf"\(tail -c 100000 {path} > prompt.txt\)$"):
             prepare.read_prompt(f"FILE:{path}")
     model = save_model(tmp_path / "m.pt", byte_model())
-    monkeypatch.setattr(sample, "generate", lambda *a, **k: pytest.fail("work began"))
-    monkeypatch.setattr(analyze, "lyapunov", lambda *a, **k: pytest.fail("work began"))
+    no_work(monkeypatch, sample, "generate")
+    no_work(monkeypatch, analyze, "lyapunov")
     lyapunov = ["--lyapunov", "--prompt=FILE:/dev/zero", f"--out={tmp_path / 'a'}"]
     for main, argv in ((sample.main, ["--start=FILE:/dev/zero", "--device=cpu"]),
                        (analyze.main, lyapunov)):
@@ -128,24 +183,61 @@ def test_settings_that_train_nothing_or_wrongly_are_one_line(main, argv, message
     adapters by 0 (perplexity 84.42 -> 84.42); --tokenizer_vocab=999 was a traceback, -1 masked
     byte 255; --peak_flops=-1 was accepted."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(common, "setup", lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, common, "setup")
     assert one_line(main, argv, capsys, monkeypatch) == f"error: {message}"
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match=r"tokenizer_vocab=-1 must be in 0..vocab_size=256"):
         ModelConfig(vocab_size=256, tokenizer_vocab=-1)  # a config built in code, as a flag
 
 
-def test_a_lora_rank_above_the_weights_rank_is_one_line_before_the_data(tmp_path, capsys,
-                                                                        monkeypatch):
+@pytest.mark.parametrize("flag,accepted", [
+    ("--lora_dropout=1", False), ("--lora_dropout=0.999", True),  # 1: every adapter input dropped
+    ("--lora_dropout=-0.001", False), ("--lora_dropout=0", True),
+    ("--lora_rank=0", False), ("--lora_rank=1", True),
+    ("--lora_alpha=0", False), ("--lora_alpha=1e-9", True),
+])
+def test_lora_settings_at_their_bounds(flag, accepted, tmp_path, capsys, monkeypatch):
+    """Each LoRA range at its bound, where the flag is parsed: --lora_dropout=1 (documented
+    0 <= dropout < 1) trained nothing, every input of every adapter dropped; an accepted value
+    goes on to the run (common.setup, stubbed here), a refused one is one line before it."""
+    class Started(Exception):
+        pass
+
+    def setup(*args):
+        raise Started
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "setup", setup)
+    if accepted:
+        with pytest.raises(Started):
+            finetune.main([flag])
+    else:
+        line = one_line(finetune.main, [flag], capsys, monkeypatch)
+        assert line.startswith("error: need --lora_rank >= 1, --lora_alpha > 0 and 0 <= "
+                               "--lora_dropout < 1, got ")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("ffn_dim,smallest", [(0, 32), (16, 16)])  # ffn_dim 0: 4 x n_embd
+def test_a_lora_rank_above_the_weights_rank_is_one_line_before_the_data(ffn_dim, smallest, tmp_path,
+                                                                        capsys, monkeypatch):
     """--lora_rank=100000 on width 32 trained adapters 3,000 x the model: a rank is at most the
-    smaller side of every weight it adapts (here 32, n_embd), known once the base is read."""
-    base = save_model(tmp_path / "base.pt", byte_model())
+    narrowest side of every weight it adapts, known once the base is read; n_embd (32) by
+    default, --ffn_dim where it is below n_embd (fc: 32 -> 16). The narrowest rank is accepted."""
+    class Started(Exception):
+        pass
+
+    def prepare_data(*args):
+        raise Started
+    monkeypatch.setattr(common, "prepare_data", prepare_data)  # after the adapters are added
+    base = save_model(tmp_path / "base.pt", random_model(vocab_size=256, ffn_dim=ffn_dim))
     argv = [f"--init_from={base}", "--steps=3", f"--data_root={tmp_path / 'data'}",
             f"--out_dir={tmp_path / 'out'}", "--lora_targets=attn,fc"]
-    for rank, smallest in ((33, 32), (100000, 32)):
+    with pytest.raises(Started):
+        finetune.main([*argv, f"--lora_rank={smallest}"])
+    for rank in (smallest + 1, 100000):
         line = one_line(finetune.main, [*argv, f"--lora_rank={rank}"], capsys, monkeypatch)
-        assert line == f"error: --lora_rank={rank} must be in 1..{smallest}, the narrowest side of " \
-                       f"its weights"
+        assert line == f"error: --lora_rank={rank} must be in 1..{smallest}, the narrowest side " \
+                       f"of its weights"
     assert not (tmp_path / "data").exists()  # refused before the data
 
 

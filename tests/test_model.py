@@ -436,6 +436,23 @@ def test_bad_step_counts_fail_clearly(steps):
         DiffEqFormer(tiny())(tokens(), steps=steps)
 
 
+@pytest.mark.parametrize("model_type,made,message", [
+    ("diffeq", (4, "euler"), "4 weights for 3 euler steps, which need 3"),  # W(t) at the times of 4 steps
+    ("diffeq", (1, "rk4"), "4 weights for 3 euler steps, which need 3"),
+    ("shared", (2, "euler"), "2 weights for 3 euler steps, which need 3"),
+    ("baseline", None, "2 weights for 3 euler steps, which need 3"),  # one layer's weights short
+], ids=["diffeq-4-euler", "diffeq-1-rk4", "shared-2-euler", "baseline-2-layers"])
+def test_weights_made_for_another_depth_are_refused(model_type, made, message):
+    """A forward pass at 3 Euler steps (TINY's 3 layers) with block weights made beforehand for another
+    number of evaluations of F refuses them, instead of running with the wrong ones (or some of them);
+    with the ones made for its own depth it gives its logits."""
+    model, idx = randomized(tiny(model_type=model_type)), tokens()
+    mine = model.step_weights(3, "euler")
+    assert torch.equal(model(idx, steps=3, solver="euler", weights=mine)[0], model(idx)[0])
+    other = mine[:2] if made is None else model.step_weights(*made)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        model(idx, steps=3, solver="euler", weights=other)
+
 def test_too_long_sequence_fails_clearly():
     with pytest.raises(ValueError, match="longer than block_size=32"):
         DiffEqFormer(tiny())(tokens(T=33))

@@ -121,21 +121,25 @@ def test_an_ode_loads_at_another_depth_and_solver(saved, exported):  # noqa: F81
         assert (deeper - ours(idx)[0]).abs().max() > 1e-3  # not the 3 Euler steps it was trained at
 
 
-def test_a_saved_depth_is_the_depth_of_every_loader(saved, exported, tmp_path, capsys):  # noqa: F811
-    """from_pretrained(DIR, steps=5, solver="rk4") then save_pretrained: config.json keeps the depth,
-    and transformers, checkpoints.load_model (every script's loader), sample.py and a re-export run
-    the folder at 5 RK4 steps, not the checkpoint's 3 Euler steps."""
+@pytest.mark.parametrize("depth", [dict(steps=5, solver="rk4"), dict(solver="rk4"), dict(steps=5)],
+                         ids=["steps-and-solver", "solver", "steps"])
+def test_a_saved_depth_is_the_depth_of_every_loader(depth, saved, exported, tmp_path, capsys):  # noqa: F811
+    """from_pretrained(DIR, steps=5, solver="rk4") (or either alone) then save_pretrained: config.json
+    keeps the depth, and transformers, checkpoints.load_model (every script's loader), sample.py and a
+    re-export run the folder at it (5 RK4 steps; 3 RK4 steps; 5 Euler steps), not the checkpoint's 3
+    Euler steps."""
     ours, _ = checkpoints.load_model(saved["diffeq"])
-    auto(exported["diffeq"], steps=5, solver="rk4").save_pretrained(tmp_path / "deeper")
+    auto(exported["diffeq"], **depth).save_pretrained(tmp_path / "deeper")
     export.export(str(tmp_path / "deeper"), str(tmp_path / "again"))
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        expected = ours(idx, steps=5, solver="rk4")[0]
+        expected = ours(idx, **depth)[0]
+        assert not torch.equal(expected, ours(idx)[0])
         for folder in (tmp_path / "deeper", tmp_path / "again"):
             assert torch.equal(checkpoints.load_model(str(folder))[0](idx)[0], expected)
             torch.testing.assert_close(auto(folder)(idx).logits, expected, rtol=0, atol=0)
     sample.main([f"--init_from={tmp_path / 'deeper'}", "--max_new_tokens=2", "--start=!"])
-    assert "diffeq (gpt), 5 rk4 steps" in capsys.readouterr().err
+    assert f"diffeq (gpt), {ours.cfg.depth_label(**depth)}" in capsys.readouterr().err
 
 
 def test_labels_give_the_projects_loss(saved, exported):  # noqa: F811
@@ -479,6 +483,22 @@ def test_logits_that_are_not_finite_are_one_line(tmp_path):
         with pytest.raises(ValueError, match=r"^[\d,]+ logits are NaN or inf: the weights overflow torch.float32"):
             theirs(idx)
 
+
+def test_logits_that_are_plus_infinity_are_one_line(tmp_path):
+    """A head row that makes +inf logits without a NaN (row 50 of the tied wte at 3e38 in one column,
+    which the final norm sets to 2: 6e38; the row adds up within float32, so the folder loads; token
+    50 is not in the input): one line too, not +inf passed on to generate, lm-eval or the Trainer."""
+    model = random_model(tokenizer_vocab=90)
+    with torch.no_grad():
+        model.wte.weight[50, 0], model.ln_f.weight[0], model.ln_f.bias[0] = 3e38, 0.0, 2.0
+    checkpoints.save(checkpoint(model), str(tmp_path / "ckpt.pt"))
+    export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "folder"))
+    theirs, idx = auto(tmp_path / "folder"), torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        logits = theirs.model(idx)[0]  # model.py's, unchecked: +inf at token 50 only, no NaN
+        assert logits[..., 50].eq(float("inf")).all() and logits[..., :50].isfinite().all()
+        with pytest.raises(ValueError, match=r"^3 logits are NaN or inf: the weights overflow torch.float32"):
+            theirs(idx)
 
 def test_missing_weights_are_initialised_as_model_py_does(saved, tmp_path):  # noqa: F811
     """A folder without wte.weight (and one time-MLP weight): transformers reports them "newly

@@ -6,6 +6,7 @@ import signal
 import pytest
 
 from configurator import UserError
+from conftest import no_work
 from experiments import reproduce
 from experiments.reproduce import Job, ReproduceConfig
 
@@ -478,7 +479,7 @@ def test_a_runs_that_is_a_file_is_one_line_before_any_work(tmp_path, capsys, mon
     """--runs=<a file> was a NotADirectoryError (experiments.seeds refused it in one line)."""
     from test_faults import one_line
     (tmp_path / "runs").write_text("not a folder")
-    monkeypatch.setattr(reproduce.prepare, "prepare", lambda *a, **k: pytest.fail("work began"))
+    no_work(monkeypatch, reproduce.prepare, "prepare")
     line = one_line(reproduce.main, ["--quick", f"--runs={tmp_path / 'runs'}"], capsys, monkeypatch)
     assert line == (f"error: cannot write into --runs={tmp_path / 'runs'}: it is a file, not a "
                     f"folder; choose another --runs")

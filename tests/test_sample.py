@@ -17,7 +17,7 @@ from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 from sample import generate, sample_next
 
-from conftest import ROOT, TINY, tokenizer_or_skip
+from conftest import ROOT, TINY, no_work, tokenizer_or_skip, without_work
 
 BLOCK = 12  # a short context, so that a generation slides its window after a few tokens
 
@@ -174,6 +174,41 @@ def test_a_model_moved_to_another_device_decodes_with_a_state_there(model_type):
     assert new is not old and {t.device.type for t in new.tensors()} == {"meta"}
 
 
+def assert_decoding_equals_recomputation(monkeypatch, model, idx, n, steps=None, solver=None, rtol=1e-10):
+    """Greedy generate(model, idx, n): the logits each new token was drawn from equal recomputed_logits of
+    the tokens before it, within rtol of their largest (NaN fails); under autocast if called inside it."""
+    drawn_from = []  # the logits sample_next is given, then does as ever
+    with monkeypatch.context() as m:
+        m.setattr(sample, "sample_next", lambda logits, *a: drawn_from.append(logits) or sample_next(logits, *a))
+        out = generate(model, idx, n, temperature=0, steps=steps, solver=solver)
+    for t, logits in zip(range(idx.size(1), out.size(1)), drawn_from, strict=True):
+        expected = recomputed_logits(model, out[:, :t], steps, solver).float()
+        error, largest = (logits.float() - expected).abs().max(), expected.abs().max()
+        assert error <= rtol * largest, f"token {t}: {error} off, of logits up to {largest}"
+
+
+GENERATION = dict(B=2, T=4, n=4, steps=2, solver="euler", autocast=False)  # caches of 8 positions, 2 of them
+
+
+KEY_CHANGES = {  # a field of the decoding state's key: (the first generation, the second), as GENERATION
+    "steps": ({}, dict(steps=3)), "solver": ({}, dict(solver="midpoint")), "batch_size": ({}, dict(B=1)),
+    "max_len": ({}, dict(n=2 * BLOCK)),  # 8 positions, then the whole context (12)
+    "dtype": (dict(autocast=True), {}),  # a bf16 state, then float32: a state of the other dtype would not do
+}
+
+
+@pytest.mark.parametrize("first,then", KEY_CHANGES.values(), ids=KEY_CHANGES)
+def test_the_decoding_state_is_rebuilt_when_any_field_of_its_key_changes(monkeypatch, first, then):
+    """Two generations on one model that differ in one field of the decoding state's key (steps, solver,
+    batch size, cache length, dtype; the device: the test above): each decodes as recomputation does,
+    the second with a state of its own, not the first one's refilled."""
+    model = random_model().float()  # float32: bf16 autocast casts it
+    for generation in ({**GENERATION, **first}, {**GENERATION, **then}):
+        g = types.SimpleNamespace(**generation)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=g.autocast):
+            assert_decoding_equals_recomputation(monkeypatch, model, prompt(g.T, B=g.B), g.n, g.steps, g.solver,
+                                                 rtol=0.05 if g.autocast else 1e-5)
+
 def test_decoding_computes_the_last_row_of_the_logits():
     model = random_model()
     full, _ = model(prompt(7))
@@ -275,6 +310,17 @@ def test_under_autocast_the_state_casts_the_linear_weights_and_the_head_only(mod
             assert [t is None or t.dtype == (torch.bfloat16 if linear else m[name][0].dtype) for t in pair] == [True] * 2
             assert linear or all(t is None or torch.equal(t, u) for t, u in zip(pair, m[name])), name
 
+
+@pytest.mark.parametrize("model_type,flavor,solver", CASES + [("shared", "gpt", "midpoint")])
+def test_decoding_under_bf16_autocast_equals_recomputation_under_it(monkeypatch, model_type, flavor, solver):
+    """A CUDA user's decoding (bf16 autocast, here on the CPU) for every kind: the logits each token is
+    drawn from, past the context too, are those of the whole prefix recomputed under the same autocast,
+    within bf16's rounding (measured: at most 1.7% of the largest logit; a state whose biases are zero
+    is 18% to 82% off, one never filled is NaN)."""
+    model = random_model(model_type, flavor).float()
+    steps, solver = (3, solver) if model.cfg.is_ode else (None, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_decoding_equals_recomputation(monkeypatch, model, prompt(5), 2 * BLOCK, steps, solver, rtol=0.05)
 
 def test_past_the_recompile_limit_a_new_shape_decodes_eagerly():
     """torch's recompile limit (8 shapes of one function, here 1) reached: the next batch size decodes
@@ -405,12 +451,13 @@ def test_sample_reads_lora_adapters_with_their_base_and_merged_files(tmp_path, c
     assert run_sample(capsys, save_model(tmp_path / "merged.pt", merged), "--start=ab", "--max_new_tokens=6") == text
 
 
-def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys):
+def test_steps_change_an_odes_output_and_are_refused_for_a_gpt(tmp_path, capsys, monkeypatch):
     ode = save_model(tmp_path / "ode.pt", byte_model())
     outputs = {run_sample(capsys, ode, "--start=ab", "--max_new_tokens=12", *args)
                for args in ([], ["--steps=1"], ["--steps=2"], ["--solver=rk4"])}
     assert len(outputs) == 4
     gpt = save_model(tmp_path / "gpt.pt", byte_model("baseline"))
+    no_work(monkeypatch, sample, "generate")
     with pytest.raises(UserError, match=r"gpt.pt: a baseline \(gpt\) model has 3 fixed layers and runs them with euler only, not 9 "):
         run_sample(capsys, gpt, "--steps=9")
     with pytest.raises(UserError, match="materialized \\(gpt\\) model has 4 fixed layers and runs them with euler only, not 4 rk4 steps"):
@@ -492,11 +539,12 @@ def test_top_k_0_samples_among_every_token(tmp_path, capsys):
     assert everything == text(256) and everything != text(1)
 
 
-def test_prompt_from_a_file(tmp_path, capsys):
+def test_prompt_from_a_file(tmp_path, capsys, monkeypatch):
     model = byte_model()
     (tmp_path / "prompt.txt").write_text("ba")
     path = save_model(tmp_path / "ckpt.pt", model)
     assert run_sample(capsys, path, f"--start=FILE:{tmp_path / 'prompt.txt'}", "--max_new_tokens=4") == expected(model, "ba", 4)
+    no_work(monkeypatch, sample, "generate")
     with pytest.raises(UserError, match="prompt file .*nothing.txt does not exist"):
         run_sample(capsys, path, f"--start=FILE:{tmp_path / 'nothing.txt'}")
     with pytest.raises(UserError, match=f"^prompt file {tmp_path} is a folder: name a text file in it$"):
@@ -508,8 +556,10 @@ def test_prompt_from_a_file(tmp_path, capsys):
     ("byte", 128, "caf\u00e9", r"'\u00e9' \(UTF-8 bytes \[195, 169\]\) is outside its vocabulary of 128 ids \(2 such tokens"),
     ("gpt2", 1024, " the hello", r"' hello' \(token id 23748\) is outside its vocabulary of 1024 ids \(1 such token"),
 ])
-def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, tokenizer, vocab, start, message):
+def test_prompts_a_model_cannot_read_are_one_clear_error(tmp_path, capsys, monkeypatch, tokenizer, vocab, start,
+                                                         message):
     tokenizer_or_skip(tokenizer)
+    no_work(monkeypatch, sample, "generate")
     path = save_model(tmp_path / "ckpt.pt", random_model(vocab_size=vocab), tokenizer=tokenizer)
     with pytest.raises(UserError, match=message):
         run_sample(capsys, path, f"--start={start}")
@@ -520,9 +570,11 @@ def test_more_samples_than_memory_holds_are_refused_before_any_is_allocated(tmp_
     OOM killer, or a failed allocation, without a word); a plan that fits decodes."""
     path = save_model(tmp_path / "ckpt.pt", byte_model())
     monkeypatch.setattr(sample, "device_memory_gib", lambda env: 64.0)
-    with pytest.raises(UserError, match=r"^--num_samples=10000000 x 501 tokens need about [\d,.]+ GiB, more than "
-                                        r"the 64.0 GiB of cpu: ask for fewer \(or fewer --max_new_tokens\)$"):
-        sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=10000000", "--start=a"])
+    with monkeypatch.context() as refused:
+        no_work(refused, sample, "generate")  # (the 10 million prompts alone take 80 MB)
+        with pytest.raises(UserError, match=r"^--num_samples=10000000 x 501 tokens need about [\d,.]+ GiB, more "
+                                            r"than the 64.0 GiB of cpu: ask for fewer \(or fewer --max_new_tokens\)$"):
+            sample.main([f"--init_from={path}", "--device=cpu", "--num_samples=10000000", "--start=a"])
     assert run_sample(capsys, path, "--start=ab", "--max_new_tokens=6") == expected(byte_model(), "ab", 6)
 
 
@@ -551,6 +603,17 @@ def test_logits_that_stop_being_finite_after_the_prompt_are_one_line(monkeypatch
         sample.generate(model, torch.tensor([[1, 2]]), 6, temperature=temperature)
 
 
+@pytest.mark.parametrize("nan_at", [0, 3])  # the prompt's logits (the first token drawn), a later token's
+def test_logits_that_are_not_finite_at_one_token_only_are_one_line(monkeypatch, nan_at):
+    """Greedy decoding (the argmax raises nothing on NaN) whose logits are NaN at one token, finite before
+    and after it: the generation still ends in the one line, not a text drawn from NaN without a word."""
+    model, real, passes = byte_model(), sample.prefill, itertools.count()
+    monkeypatch.setattr(sample, "prefill",  # the prompt's pass, then decode_one_token's: one of them NaN
+                        lambda *args: real(*args) * (torch.nan if next(passes) == nan_at else 1.0))
+    with pytest.raises(ValueError, match=r"^its logits are not finite \(its weights overflow\)$"):
+        sample.generate(model, torch.tensor([[1, 2]]), 6, temperature=0)
+    assert next(passes) == 6  # every token was drawn: the NaN was not the last logits'
+
 def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
     checkpoints.save(dict(kind=checkpoints.LORA_RUN), str(tmp_path / "run.pt"))
     adapters = tmp_path / "adapters.pt"  # the way out: the run's adapters, beside its state
@@ -571,7 +634,9 @@ def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
                                       "holds every sample in memory"),  # accepted without a word
 ])
 def test_script_errors_are_one_line(args, message):
-    done = subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True)
+    """(A checkpoint out/ckpt.pt, where a user trained one, is read, and nothing sampled from it.)"""
+    done = subprocess.run([sys.executable, *without_work("sample.py", "prepare.encode_prompt"), *args], cwd=ROOT,
+                          capture_output=True, text=True)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(message)
 

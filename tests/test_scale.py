@@ -22,7 +22,7 @@ from scale.weightgen import WeightGenerator
 from configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, no_work
 
 
 def perturb(model):
@@ -286,8 +286,10 @@ def test_sharded_checkpoints_of_the_new_path_resume_exactly_and_convert(tmp_path
     DiffEqFormer(ModelConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
 
 
-def test_the_memory_check_refuses_a_plan_larger_than_the_machine_on_cpu(tmp_path, shakespeare):
+def test_the_memory_check_refuses_a_plan_larger_than_the_machine_on_cpu(tmp_path, shakespeare, monkeypatch):
     """The ODE Llama-1B in one CPU process needs ~100 GiB: refused before any model is built."""
+    no_work(monkeypatch, common, "prepare_data")
+    no_work(monkeypatch, train, "DiffEqFormer")  # 100 GiB: the OOM killer
     with pytest.raises(UserError, match=r"needs ~\d+ GiB per process \(the machine's RAM shared by its processes\) "
                                         r"and does not fit"):
         train.main(["config/llama1b.py", "--device=cpu", "--dataset=shakespeare", "--tokenizer=byte",
@@ -319,6 +321,32 @@ def test_an_any_depth_plan_is_the_plan_of_its_deepest_draw():
     assert plan("2-12") == plan("12")
     assert sum(plan("12").values()) > sum(plan("2").values())
 
+
+@pytest.mark.parametrize("model_type,flavor,solver", [("diffeq", "gpt", "rk4"), ("shared", "llama", "midpoint"),
+                                                     ("diffeq", "llama", "euler"), ("baseline", "gpt", "euler"),
+                                                     ("materialized", "llama", "euler")])
+def test_the_decoding_plan_counts_the_caches_sample_py_allocates(model_type, flavor, solver):
+    """sample.py's memory check (decoding_gib) at GPT-2 small's shape, 12 steps, 64 samples of 1,000 tokens
+    (caches of 1,024 positions): what its caches add, bf16 against float32 (nothing else it counts has the
+    caches' dtype), is the bytes of the keys and values setup_caches allocates, a cache per evaluation of
+    F (48 at 12 RK4 steps), here on the meta device (nothing allocated). At 12 RK4 steps, 12.05 GiB."""
+    import sample
+    from model import evaluations
+    mcfg = ModelConfig(model_type=model_type, flavor=flavor, n_layer=12, n_head=12, n_embd=768)
+    with torch.device("meta"):
+        model = DiffEqFormer(mcfg)
+    B, n = 64, 1000
+    L, steps = sample.cache_length(n, mcfg.block_size), 12
+    state = sample.setup_caches(model, B, L, steps, solver, torch.bfloat16)
+    assert L == 1024 and len(state.caches) == evaluations(mcfg, steps, solver)
+    caches = sum(c.k.nbytes + c.v.nbytes for c in state.caches)
+
+    def gib(dtype):
+        return memory.decoding_gib(mcfg, dtype, B, n, L, steps, solver)
+    assert (gib(torch.float32) - gib(torch.bfloat16)) * 2 ** 30 == pytest.approx(caches, rel=1e-9)
+    assert gib(torch.bfloat16) * 2 ** 30 > caches + 8 * B * n  # and the tokens, activations, logits
+    if solver == "rk4":
+        assert round(gib(torch.bfloat16), 2) == 12.05
 
 # -- bytes moved by collectives ----------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ import json
 import os
 
 import pytest
+import torch
 
-from conftest import ROOT
+from conftest import ROOT, no_work
 from experiments import seeds
 from experiments.reproduce import Job, run
 from test_faults import one_line
@@ -57,8 +58,7 @@ def test_a_failed_run_never_erases_the_record_and_a_finished_one_is_added(tmp_pa
     ("--jobs=0", "error: jobs=0 must be at least 1"),
 ])
 def test_a_bad_flag_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, flag, message):
-    for work in ("initial_weights", "run"):
-        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, seeds, "initial_weights", "run")
     argv = [flag, f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"]
     line = one_line(seeds.main, argv, capsys, monkeypatch)
     assert line.startswith(message) and os.listdir(tmp_path) == []
@@ -74,8 +74,7 @@ def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, m
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
         return real_open(path, *args, **kwargs)
     monkeypatch.setattr("builtins.open", read_only)
-    for work in ("initial_weights", "run"):
-        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, seeds, "initial_weights", "run")
     line = one_line(seeds.main, [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"],
                     capsys, monkeypatch)
     assert line == f"error: cannot write into --runs={tmp_path / 'runs'}: Read-only file system; " \
@@ -85,14 +84,17 @@ def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, m
 @pytest.mark.parametrize("held", ["a text file\n", '{"1": {"1337": {"val_lo', "[1, 2]",
                                   '{"loss": 1.9}', '{"1": {"1337": {"val_loss": 1.9}}}',
                                   '{"1": {"1337": {"val_loss": "1.9", "train_loss": 2, '
-                                  '"val_loss_0": 5}}}'])
+                                  '"val_loss_0": 5}}}',
+                                  '{"4": {"1337": {"val_loss": 1.9, "train_loss": 2, '
+                                  '"val_loss_0": 5}}}',  # a draw this script lacks
+                                  '{"1": {"1337": {"val_loss": true, "train_loss": 2, '
+                                  '"val_loss_0": 5}}}'])  # a boolean: no loss
 def test_an_out_that_is_not_a_record_is_one_line_before_the_first_job(held, tmp_path, capsys,
                                                                        monkeypatch):
-    """Text, half a JSON, a list, other keys, a loss that is no number: a traceback after every
-    job had run (~50 min)."""
+    """Text, half a JSON, a list, other keys, a loss that is no number, a draw the script lacks: a
+    traceback after every job had run (~50 min); a JSON boolean was printed as a loss of 1.0000."""
     (tmp_path / "s.json").write_text(held)
-    for work in ("initial_weights", "run"):
-        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    no_work(monkeypatch, seeds, "initial_weights", "run")
     line = one_line(seeds.main, [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 's.json'}"],
                     capsys, monkeypatch)
     assert line.startswith(f"error: --out={tmp_path / 's.json'} is not a record of this script")
@@ -129,12 +131,64 @@ def test_a_job_is_prepared_just_before_it_starts(tmp_path):
     assert run([job], 1, lambda done: {}, str(tmp_path / "runs")) == []
 
 
-def test_a_range_of_too_many_runs_is_one_line(tmp_path, capsys, monkeypatch):
-    """Ranges up to 2^31 seeds were accepted, building 2^31 jobs' files first."""
-    line = one_line(seeds.main, ["--seeds=1-4000", f"--runs={tmp_path / 'r'}",
-                                 f"--out={tmp_path / 's.json'}"], capsys, monkeypatch)
-    assert line == ("error: seeds=1-4000 x draws=1,2,3 is 12,000 runs, more than 10,000 (~2 weeks "
-                    "on 2 cores): choose a shorter range") and os.listdir(tmp_path) == []
+class Started(Exception):
+    """What a stubbed reproduce.run raises: the jobs would start here."""
+
+
+@pytest.mark.parametrize("seeds_,draws,runs", [("1-10000", "1", 10_000), ("1-10001", "1", 10_001),
+                                               ("1-4000", "1,2,3", 12_000)])
+def test_a_range_of_too_many_runs_is_one_line(seeds_, draws, runs, tmp_path, capsys, monkeypatch):
+    """Ranges up to 2^31 seeds were accepted, building 2^31 jobs' files first; at most 10,000 runs
+    (seeds.MAX_RUNS), that maximum included."""
+    no_work(monkeypatch, seeds, "initial_weights")
+
+    def run(jobs, *args):
+        assert len(jobs) == runs
+        raise Started
+    monkeypatch.setattr(seeds, "run", run)
+    argv = [f"--seeds={seeds_}", f"--draws={draws}", f"--runs={tmp_path / 'r'}",
+            f"--out={tmp_path / 's.json'}"]
+    if runs <= seeds.MAX_RUNS:
+        with pytest.raises(Started):
+            seeds.main(argv)
+        return
+    line = one_line(seeds.main, argv, capsys, monkeypatch)
+    assert line == (f"error: seeds={seeds_} x draws={draws} is {runs:,} runs, more than 10,000 (~2 "
+                    f"weeks on 2 cores): choose a shorter range") and os.listdir(tmp_path) == []
+
+
+def test_each_run_starts_from_the_weights_of_its_seed_and_draw(tmp_path, monkeypatch):
+    """Job seedS-drawD trains with --seed=S from the model built of the D-th draw of torch's RNG
+    after torch.manual_seed(S) (its init_seed, model.py): with seed and draw swapped, every run
+    started from other weights, and nothing looked wrong."""
+    built, real = [], seeds.DiffEqFormer
+
+    def record(cfg):
+        model = real(cfg)
+        built.append(model.init_seed)
+        return model
+    monkeypatch.setattr(seeds, "DiffEqFormer", record)
+    started = {}
+
+    def run(jobs, *args):
+        for job in jobs:
+            job.prepare()
+            started[job.name] = job.argv
+        return []
+    monkeypatch.setattr(seeds, "run", run)
+    runs = tmp_path / "runs"
+    seeds.main(["--seeds=7-8", "--draws=1,3", f"--runs={runs}", f"--out={tmp_path / 's.json'}"])
+
+    def draw(seed, d):  # the d-th draw after torch.manual_seed(seed)
+        rng = torch.Generator().manual_seed(seed)
+        return [int(torch.randint(2 ** 62, (), generator=rng)) for _ in range(d)][-1]
+    jobs = [(7, 1), (7, 3), (8, 1), (8, 3)]
+    assert built == [draw(seed, d) for seed, d in jobs]
+    for seed, d in jobs:
+        name = f"seed{seed}-draw{d}"
+        assert started[name][:3] == ["train.py", f"--seed={seed}",
+                                     f"--init_from={runs / name / 'init.pt'}"]
+        assert (runs / name / "init.pt").is_file()
 
 
 def test_a_record_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):

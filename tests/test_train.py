@@ -22,7 +22,7 @@ from scale import memory, parallel
 from configurator import ConfigError, UserError, parse_config
 from model import DiffEqFormer, ModelConfig
 
-from conftest import ROOT, tokenizer_or_skip
+from conftest import ROOT, no_work, tokenizer_or_skip, without_work
 
 
 # -- the configurator --------------------------------------------------------------------------
@@ -184,7 +184,8 @@ def test_every_config_file_parses():
 
 
 def test_script_errors_are_one_line():
-    out = subprocess.run([sys.executable, "train.py", "--n_head=5"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, *without_work("train.py", "common.setup"), "--n_head=5"], cwd=ROOT,
+                         capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: bad model config: n_head=5 does not divide n_embd=128"]
 
@@ -231,13 +232,15 @@ def test_a_gpt2_tokenizer_run_pads_its_vocabulary_with_rows_that_never_get_proba
     assert torch.isneginf(logits[..., 50257:]).all() and torch.isfinite(logits[..., :50257]).all()
 
 
-def test_resume_continues_exactly(tmp_path, shakespeare, capsys):
+def test_resume_continues_exactly(tmp_path, shakespeare, capsys, monkeypatch):
     shared = [f"--input_file={shakespeare}", "--max_iters=10", "--eval_interval=5"]
     first = ["--dropout=0.1", "--init=reference"]  # not the default file's dropout=0.0, init="gpt"
     straight = losses(run(tmp_path, *shared, *first, out="a"))
     run(tmp_path, *shared, *first, "--stop_at=5", out="b")
-    with pytest.raises(ConfigError, match=r"^the run in .*b trains on --dataset=shakespeare: resuming "
-                                          r"it on other would switch its data mid-run; resume with"):
+    with monkeypatch.context() as refused, pytest.raises(
+            ConfigError, match=r"^the run in .*b trains on --dataset=shakespeare: resuming it on other would "
+                               r"switch its data mid-run; resume with"):
+        no_work(refused, common, "prepare_data")
         run(tmp_path, *shared, "--init_from=resume", "--dataset=other", out="b")  # it switched silently
     capsys.readouterr()
     # the checkpoint's dropout and shape, not the default config file's; --ffn_dim is ignored, and said
@@ -643,6 +646,7 @@ def test_tensorboard_mirrors_the_log_and_hides_what_a_killed_run_logged(tmp_path
 
 def test_a_missing_optional_package_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    no_work(monkeypatch, common, "setup")
     for package in ("tensorboard", "wandb"):
         message = f"^--{package} needs the {package} package: pip install {package}$"
         with pytest.raises(ConfigError, match=message):
@@ -728,7 +732,8 @@ def test_any_depth_draws_are_reproducible_and_resume_exactly(tmp_path, shakespea
     assert all(resumed[it] == pytest.approx(straight[it], abs=1e-6) for it in range(4, 8))
 
 
-def test_any_depth_options_are_refused_for_a_model_with_fixed_layers():
+def test_any_depth_options_are_refused_for_a_model_with_fixed_layers(monkeypatch):
+    no_work(monkeypatch, common, "setup")
     with pytest.raises(UserError, match=r"--train_steps=3-9: a baseline \(gpt\) model has \d+ fixed layers and "
                                          r"runs them with euler only, not 3 euler steps"):
         train.main(["--model_type=baseline", "--train_steps=3-9"])
