@@ -46,12 +46,13 @@ class Diverged(UserError):
     every_rank = True
 
 
-def int_range(text, key, high):
+def int_range(text, key, high, low=1):
     """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within
-    1..high."""
+    low..high."""
     lo, _, hi = text.partition("-")
-    if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo) <= high):
-        raise ValueError(f"{key}={text!r}: use a whole number or a range like 3-9 within 1..{high}")
+    if not (lo.isdigit() and (hi or lo).isdigit() and low <= int(lo) <= int(hi or lo) <= high):
+        raise ValueError(f"{key}={text!r}: use a whole number or a range like 3-9 within "
+                         f"{low}..{high}")
     return int(lo), int(hi or lo)
 
 
