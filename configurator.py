@@ -338,14 +338,17 @@ def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
 
 
 sys.excepthook = say_ctrl_c  # every script imports this module first, before numpy and torch
+# A process that a shell without job control (a script) starts in the background inherits SIGINT
+# ignored: restored here, before numpy and torch import, so that SIGINT stops it from the start
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run_main(main):
     """Run a script's main(), turning the errors a user can fix into one line on stderr (a full
     disk, a quota or a read-only file system too, wherever a file is written), and Ctrl-C into one
-    line and status 130 wherever it comes (a process started in the background by a shell inherits
-    SIGINT ignored: Ctrl-C is made to stop it all the same)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    line and status 130 wherever it comes (in a process started in the background too: this module
+    restores SIGINT as it is imported)."""
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt as e:  # a second Ctrl-C during training, or one anywhere else
