@@ -57,8 +57,10 @@ def save(obj, path, resumable=False):
             os.remove(tmp)
         kept = "what was there before is intact" + (" (a run resumes from it with "
                                                      "--init_from=resume)") * resumable
+        first = ("the run saved no checkpoint (its log is written): free some space, then start "
+                 "it over with --overwrite") if resumable else "nothing was written"
         raise UserError(f"could not write {path}: {cause.strerror or cause}; "
-                        f"{kept if existed else 'nothing was written'}") from None
+                        f"{kept if existed else first}") from None
 
 
 # -- reading ---------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import ConfigError, UserError, make_dir, written
+from configurator import ConfigError, UserError, in_use, make_dir, written
 
 # -- processes and devices -------------------------------------------------------------------------
 
@@ -193,12 +193,7 @@ def lock(out_dir, flag="out_dir"):
     try:
         held.acquire()
     except filelock.Timeout:
-        holder = "another process"
-        if os.path.isfile(pid_file):
-            with open(pid_file) as f:
-                holder = f.read().strip() or holder
-        raise UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it "
-                        f"to finish or choose another --{flag}") from None
+        raise in_use(out_dir, flag) from None
     try:
         with written(pid_file) as tmp, open(tmp, "w") as f:  # a full disk: one line, no empty file
             f.write(f"pid {os.getpid()}")

@@ -23,6 +23,8 @@ import time
 import types
 import typing
 
+import filelock
+
 
 class UserError(Exception):
     """An error the user must fix (a config, a path, a checkpoint kind, a prompt): run_main prints
@@ -84,20 +86,51 @@ def make_dir(path, flag):
 # what a run leaves in its out_dir (train.py, finetune.py; --merge's merged.pt): each marks a run
 RUN_FILES = ("ckpt.pt", "ckpt_sharded", "adapters.pt", "merged.pt", "results.json", "log.jsonl",
              "loss.png", "tensorboard")
+CHECKPOINTS = RUN_FILES[:2]  # what --init_from=resume continues (one file, or FSDP's shards)
+LOGS = RUN_FILES[-3:]  # what a run writes before its first checkpoint
+
+
+def in_use(out_dir, flag="out_dir"):
+    """The UserError of an out_dir whose lock a live run holds (common.lock), naming its pid."""
+    holder = "another process"
+    if os.path.isfile(pid_file := os.path.join(out_dir, ".lock.pid")):
+        with open(pid_file) as f:
+            holder = f.read().strip() or holder
+    return UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it to "
+                     f"finish or choose another --{flag}")
 
 
 def check_out_dir(cfg):
-    """Refuse, before anything is written, an out_dir whose files would replace the checkpoint the
-    run starts from (whatever --overwrite says), and a new run in an out_dir that holds a run (any
-    of RUN_FILES): it would be replaced without a word. --init_from=resume continues it,
-    --overwrite starts over (as transformers' --overwrite_output_dir)."""
+    """Refuse, before anything is written, an out_dir that a live run holds (its lock: it says so
+    first); one whose files would replace the checkpoint the run starts from (whatever --overwrite
+    says); --init_from=resume where out_dir holds no checkpoint; and a new run in an out_dir that
+    holds a run (any of RUN_FILES): it would be replaced without a word. --init_from=resume
+    continues it, --overwrite starts over (as transformers' --overwrite_output_dir)."""
+    lock = filelock.FileLock(os.path.join(cfg.out_dir, ".lock"), timeout=0)  # one try
+    if os.path.isfile(lock.lock_file):  # a run's, live or ended: held means live
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise in_use(cfg.out_dir) from None
+        lock.release()
     files = [os.path.join(cfg.out_dir, name) for name in RUN_FILES]
     if cfg.init_from != "resume" and os.path.exists(cfg.init_from) and os.path.realpath(
             cfg.init_from) in map(os.path.realpath, [cfg.out_dir, *files]):
         raise UserError(f"--out_dir={cfg.out_dir} would write over --init_from={cfg.init_from}, "
                         f"the checkpoint this run starts from: choose another --out_dir")
     held = [os.path.basename(name) for name in files if os.path.exists(name)]
+    logs_only = held and set(held) <= set(LOGS)  # a run stopped before its first checkpoint
+    if cfg.init_from == "resume" and not set(held) & set(CHECKPOINTS):
+        raise UserError(f"--init_from=resume: {cfg.out_dir} holds no checkpoint (ckpt.pt) to "
+                        f"resume: " + (f"its run stopped before it saved one ({held[0]}); start "
+                                       f"it over with --overwrite" if logs_only else
+                                       "start a new run without --init_from=resume, or name the "
+                                       "run's folder with --out_dir"))
     if held and cfg.init_from != "resume" and not cfg.overwrite:
+        if logs_only:
+            raise UserError(f"{cfg.out_dir} holds a run that stopped before its first checkpoint "
+                            f"({held[0]}): start it over with --overwrite (which replaces its "
+                            f"log), or write elsewhere with another --out_dir")
         raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
                         f"--init_from=resume, write elsewhere with another --out_dir, or start "
                         f"over with --overwrite (which replaces its checkpoint and log)")
