@@ -129,10 +129,7 @@ def main(argv):
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         run = None
         if cfg.init_from == "resume":  # out_dir's fine-tuning run: its base, steps, LoRA settings
-            run = resume.load_run(cfg, env, kind=(checkpoints.LORA_RUN, checkpoints.MODEL))
-            if "finetune_config" not in run:
-                raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: "
-                                f"resume it with train.py")
+            run = resume.load_run(cfg, env, fine_tuning=True)
             fcfg = FinetuneConfig(**run["finetune_config"])
             checkpoints.check_base(run["base_checkpoint"], run["base_sha256"])
         base_path = run["base_checkpoint"] if run else source

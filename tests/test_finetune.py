@@ -1,5 +1,6 @@
 """finetune.py: materialise + LoRA is exact at init, trains only adapters, merges, and runs end to end."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -309,3 +310,20 @@ def test_dropout_and_activation_checkpointing_reach_the_fine_tuned_model(tmp_pat
     base, _ = checkpoints.load_model(str(path), dropout=0.2, checkpoint=True)
     model = lora.at_depth(base, 4, str(path))
     assert (model.cfg.dropout, model.cfg.checkpoint, model.cfg.n_layer) == (0.2, True, 4)
+
+
+def test_resuming_a_pretraining_run_as_a_fine_tuning_says_what_it_is_first(tmp_path, capsys, monkeypatch):
+    """finetune.py --init_from=resume on a pretraining run's folder (trained on shakespeare) first said to
+    resume it with --dataset=shakespeare, and only with that, that it is no fine-tuning run."""
+    from test_faults import one_line
+    from test_sample import byte_model
+    out = tmp_path / "pre"
+    model = byte_model()
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(), model=model.state_dict(),
+                          tokenizer="byte", train_config=dict(dataset="shakespeare")), str(out / "ckpt.pt"))
+    monkeypatch.setattr(common, "prepare_data", lambda *a: pytest.fail("work began"))
+    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
+    for dataset in ([], ["--dataset=shakespeare"]):  # the default's wikitext2_test, and the run's own
+        line = one_line(finetune.main, ["--init_from=resume", f"--out_dir={out}", *dataset], capsys, monkeypatch)
+        assert line == f"error: {out} holds a pretraining run, not a fine-tuning run: resume it with train.py"
+    assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "ckpt.pt"]  # the run's lock, taken to read it
