@@ -319,13 +319,15 @@ def split_args(argv, owners):
     return files, pairs
 
 
-def parse_config(argv, *classes, defaults=None, default_file=None):
+def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
     """Build one instance of each dataclass from argv (config files, then flags, later wins);
     `default_file` is read when argv names no config file.
 
     Returns (instances..., given): `given` is the set of keys the user chose, in a config file they
     named or on the command line, so that a script can tell a choice from a default (resuming, a
-    checkpoint's shape and tokenizer win over `defaults` and `default_file`)."""
+    checkpoint's shape and tokenizer win over `defaults` and `default_file`). `check(given)` runs
+    before any instance is built: a script refuses there the keys it does not take (finetune.py:
+    the model's shape), before their values are checked against other keys' defaults."""
     owners = fields_of(*classes)
     asked_help = "--help" in argv or "-h" in argv
     files, pairs = split_args([a for a in argv if a not in ("--help", "-h")], owners)
@@ -349,6 +351,8 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
         where = values[unknown[0]][1]
         raise ConfigError(f"unknown config key {unknown[0]!r} {where}; "
                           f"valid keys: {', '.join(sorted(owners))}")
+    if check:
+        check(given)
     kwargs = {cls: {} for cls in classes}
     for key, (value, _) in values.items():
         cls, field = owners[key]

@@ -327,3 +327,21 @@ def test_resuming_a_pretraining_run_as_a_fine_tuning_says_what_it_is_first(tmp_p
         line = one_line(finetune.main, ["--init_from=resume", f"--out_dir={out}", *dataset], capsys, monkeypatch)
         assert line == f"error: {out} holds a pretraining run, not a fine-tuning run: resume it with train.py"
     assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "ckpt.pt"]  # the run's lock, taken to read it
+
+
+@pytest.mark.parametrize("argv", [["--n_embd=64"], ["--n_embd=48"], ["--n_head=5"], ["--n_embd=64", "--n_layer=3"]])
+def test_a_shape_flag_is_refused_before_a_config_is_built_from_it(tmp_path, capsys, monkeypatch, argv):
+    """--n_embd=64 on a 2-head checkpoint said "n_head=12 does not divide n_embd=64": the dataclass's default
+    head count, which the user never set; the intended line came only for widths that 12 divides (48). With
+    --merge, the line of --merge."""
+    from test_faults import one_line
+    monkeypatch.setattr(common, "setup", lambda *a: pytest.fail("work began"))
+    monkeypatch.chdir(tmp_path)
+    flag = "n_layer" if "--n_layer=3" in argv else argv[0][2:].split("=")[0]
+    assert one_line(finetune.main, ["--init_from=base.pt", *argv], capsys, monkeypatch) == (
+        "error: --n_layer: the fine-tuned depth is --steps N (the layers of the materialised ODE)"
+        if flag == "n_layer" else f"error: --{flag}: the model's shape comes from the checkpoint; fine-tuning "
+                                  f"may set only --dropout, --checkpoint and --steps")
+    line = one_line(finetune.main, ["--merge=adapters.pt", *argv], capsys, monkeypatch)
+    assert line.startswith("error: --merge folds adapters into their base") and "it would ignore --n_" in line
+    assert os.listdir(tmp_path) == []
