@@ -100,10 +100,15 @@ def check_given(given):
                           f"may set only {', '.join('--' + k for k in RUNTIME_KEYS)} and --steps")
 
 
-def check_options(mcfg, fcfg, cfg):
+def check_options(mcfg, fcfg, cfg, given):
     """What the command line alone decides, before any data or model work."""
     if fcfg.merge:
         return cfg
+    ignored = sorted(k for k in given if k.startswith("lora_"))
+    if not fcfg.lora and ignored:  # refused rather than ignored, as beside --merge
+        raise ConfigError(f"--no-lora fine-tunes every weight, with no adapters: it would ignore "
+                          f"{', '.join('--' + k for k in ignored)}; leave them out, or fine-tune "
+                          f"with LoRA (--lora)")
     if fcfg.merge_base:
         raise ConfigError("--merge_base names the base checkpoint of the adapters that --merge "
                           "folds in: give --merge=ADAPTERS too, or leave --merge_base out")
@@ -123,7 +128,7 @@ def check_options(mcfg, fcfg, cfg):
 def main(argv):
     mcfg, fcfg, cfg, given = parse_config(argv, ModelConfig, FinetuneConfig, train.TrainConfig,
                                           default_file=DEFAULT_CONFIG, check=check_given)
-    cfg = check_options(mcfg, fcfg, cfg)
+    cfg = check_options(mcfg, fcfg, cfg, given)
     if fcfg.merge:
         print(f"merged checkpoint: {merge_file(fcfg.merge, fcfg.merge_base or None)}")
         return

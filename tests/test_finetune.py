@@ -345,3 +345,17 @@ def test_a_shape_flag_is_refused_before_a_config_is_built_from_it(tmp_path, caps
     line = one_line(finetune.main, ["--merge=adapters.pt", *argv], capsys, monkeypatch)
     assert line.startswith("error: --merge folds adapters into their base") and "it would ignore --n_" in line
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flags", [["--lora_targets=foo"], ["--lora_rank=4", "--lora_alpha=8"], ["--lora_dropout=0.1"]])
+def test_the_lora_flags_beside_no_lora_are_refused(tmp_path, capsys, monkeypatch, flags):
+    """--no-lora fine-tuned every weight and ignored the LoRA flags without a word, an invalid
+    --lora_targets=foo included."""
+    from test_faults import one_line
+    monkeypatch.setattr(common, "setup", lambda *a: pytest.fail("work began"))
+    monkeypatch.chdir(tmp_path)
+    line = one_line(finetune.main, ["--init_from=base.pt", "--no-lora", *flags], capsys, monkeypatch)
+    ignored = ", ".join(sorted(flag.split("=")[0] for flag in flags))
+    assert line == f"error: --no-lora fine-tunes every weight, with no adapters: it would ignore {ignored}; " \
+                   f"leave them out, or fine-tune with LoRA (--lora)"
+    assert os.listdir(tmp_path) == []
