@@ -64,6 +64,15 @@ def check_device(device):
         raise ConfigError(f"device={device!r}: use auto, cpu, cuda, cuda:N (the N-th GPU) or mps")
 
 
+def check_one_process(script):
+    """Refuse torchrun's several processes for a script that runs in one: each process would do the
+    whole work again and print it (a ConfigError: every rank has it, rank 0 says it)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        raise ConfigError(f"{script} runs in one process: start it with python, not torchrun (each "
+                          f"of the {world} processes would print all of its output)")
+
+
 def setup(device="auto", dtype="auto", seed=1337):
     """Pick device and dtype, join the process group when torchrun started this process (NCCL on
     CUDA, gloo on CPU; torchrun sets WORLD_SIZE, RANK and LOCAL_RANK), and seed the RNG, the same
