@@ -128,9 +128,10 @@ def load_folder(path):
         with as_user_error(f"{path}/config.json: "):
             steps, solver = ModelConfig(**model_config).depth(*depth)
         model_config = {**model_config, "n_layer": steps, "solver": solver}  # an ODE's default
+    training = {"source": config["training"]} if config.get("training") else {}  # export.training
     return {"kind": MODEL, "model_config": model_config, "model": weights,
             "tokenizer": config["tokenizer"], "optimizer": None, "iter_num": 0,
-            "best_val_loss": config.get("val_loss")}
+            "best_val_loss": config.get("val_loss"), **training}
 
 
 def load(path, kind=MODEL, map_location="cpu"):
