@@ -10,6 +10,7 @@ dataclass field that owns it and coerced to that field's type; an unknown key or
 ConfigError that names the valid keys; `--help` lists every key with its default. nanoGPT's
 exec-based configurator accepts typos and rejects `--steps 9` or `--lora`; this one does neither.
 """
+import ast
 import contextlib
 import dataclasses
 import errno
@@ -179,9 +180,11 @@ def fields_of(*classes):
     return owners
 
 
-def coerce(key, value, annotation):
+def coerce(key, value, annotation, where=None):
     """value (a string from the command line, or a Python value from a config file) as
-    `annotation`."""
+    `annotation`; a bad one is a ConfigError that names the flag, or `where` the config file sets
+    it ("config/x.py, line 3")."""
+    flag = f"--{key}" if where is None else f"{where}: {key}"
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     optional = is_union and type(None) in typing.get_args(annotation)
     if optional:
@@ -201,16 +204,20 @@ def coerce(key, value, annotation):
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not annotation:
-        raise ConfigError(f"--{key} expects {annotation.__name__}, got {value!r}")
+        raise ConfigError(f"{flag} expects {annotation.__name__}, got {value!r}")
     if annotation is float and not math.isfinite(value):
-        raise ConfigError(f"--{key} must be a finite number, got {value!r}")
+        raise ConfigError(f"{flag} must be a finite number, got {value!r}")
     if key == "seed" and not 0 <= value < SEEDS:  # one rule for every script's --seed
-        raise ConfigError(f"--seed={value} must be a whole number in 0..{SEEDS - 1}")
+        raise ConfigError(f"{flag}={value} must be a whole number in 0..{SEEDS - 1}")
+    if annotation is int and key != "seed" and abs(value) > MAX_COUNT:  # 1e23 iterations: a typo
+        raise ConfigError(f"{flag}={value} is past {MAX_COUNT:,} (2^31 - 1), the most that any "
+                          f"count of this project takes: give a smaller number")
     return value
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository: config/ lives here
 SEEDS = 2 ** 32  # --seed: numpy's RNGs take no negative seed, torch.manual_seed none past 2^64
+MAX_COUNT = 2 ** 31 - 1  # every other whole number: iterations, samples, tokens, sizes, times
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
               "0": False, "false": False, "no": False, "off": False}
 
@@ -245,6 +252,23 @@ def read_config_file(path, relative_to=None):
     return {k: v for k, v in scope.items()
             if not k.startswith("_") and k != "include"
             and not isinstance(v, (types.ModuleType, types.FunctionType))}
+
+
+def assignment(path, key, relative_to=None):
+    """Where a config file sets `key`, as "config/x.py, line 3": its last assignment, or that of a
+    file it includes after it; None where it is not found."""
+    found, lines = find_config_file(path, relative_to), []
+    shown = found if relative_to else path  # an included file by the path that found it
+    for node in ast.walk(ast.parse(open(found).read())):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(n, ast.Name) and n.id == key for t in targets for n in ast.walk(t)):
+                lines.append((node.lineno, f"{shown}, line {node.lineno}"))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "include"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            inner = assignment(node.args[0].value, key, os.path.dirname(found))
+            lines += [(node.lineno, inner)] if inner else []
+    return max(lines)[1] if lines else None
 
 
 def field_comments(cls):
@@ -354,9 +378,11 @@ def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
     if check:
         check(given)
     kwargs = {cls: {} for cls in classes}
-    for key, (value, _) in values.items():
+    for key, (value, where) in values.items():
         cls, field = owners[key]
-        kwargs[cls][key] = coerce(key, value, field.type)
+        in_file = where.startswith("in ") and where != "in the script's defaults"
+        kwargs[cls][key] = coerce(key, value, field.type,
+                                  assignment(where[3:], key) or where[3:] if in_file else None)
     try:
         instances = [cls(**kwargs[cls]) for cls in classes]
     except ValueError as e:
