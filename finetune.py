@@ -83,7 +83,7 @@ def merge_file(path, base_path=None):
 def check_given(given):
     """The keys fine-tuning does not take, refused before any config is built from them (a width
     of --n_embd=64 was refused by the head count of ModelConfig's default, n_head=12)."""
-    if "merge" in given:  # refused rather than ignored: a user who gives --steps expects it to count
+    if "merge" in given:  # refused, not ignored: a user who gives --steps expects it to count
         ignored = sorted(given - {"merge", "merge_base"})
         if ignored:
             raise ConfigError(f"--merge folds adapters into their base with the settings "

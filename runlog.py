@@ -68,9 +68,9 @@ class Run:
                            f"{f' and stop_at={cfg.stop_at}' * bool(cfg.stop_at)}")
             return iter(())
         if self.end < cfg.warmup_iters:  # iterations 0 .. warmup - 1 warm up: stop_at cuts it short
-            self.env.print(f"note: the warm-up takes {cfg.warmup_iters:,} iterations (warmup_frac="
-                           f"{cfg.warmup_frac:g} of max_iters={cfg.max_iters:,}); this run stops at "
-                           f"{self.end:,} (stop_at), before the learning rate reaches "
+            self.env.print(f"note: the warm-up takes {cfg.warmup_iters:,} iterations "
+                           f"(warmup_frac={cfg.warmup_frac:g} of max_iters={cfg.max_iters:,}); this "
+                           f"run stops at {self.end:,} (stop_at), before the learning rate reaches "
                            f"{cfg.learning_rate:g}")
         return iter(self.bar)
 
