@@ -227,9 +227,9 @@ def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakesp
     """--init_from=resume takes base, steps and LoRA-or-full from the run, whatever the command line says."""
     data = f"--data_root={tmp_path / 'data'}"
     pretrain(tmp_path, shakespeare)
-    shared = ["--steps", "3", "--lora_dropout=0.1", "--dropout=0.1", data, f"--input_file={shakespeare}",
+    shared = ["--steps", "3", "--dropout=0.1", data, f"--input_file={shakespeare}",
               "--dataset=target", "--max_iters=8", "--eval_interval=4", "--eval_iters=2", "--batch_size=4", "--log_interval=1"]
-    start = [f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", "--lora" if lora else "--no-lora"]
+    start = [f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", *(["--lora", "--lora_dropout=0.1"] if lora else ["--no-lora"])]
 
     def losses(out):
         return {r["iter"]: r["loss"] for r in map(json.loads, open(tmp_path / out / "log.jsonl")) if "loss" in r}
