@@ -391,7 +391,7 @@ def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
 
 
 def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
-    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main's handler
+    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main catches it
     (while a script imports torch, seconds under load) is one line, not a traceback; Python then
     ends the process by SIGINT (status 130 in a shell), as after any Ctrl-C."""
     if not issubclass(kind, KeyboardInterrupt):
