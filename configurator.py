@@ -381,8 +381,8 @@ def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
     for key, (value, where) in values.items():
         cls, field = owners[key]
         in_file = where.startswith("in ") and where != "in the script's defaults"
-        kwargs[cls][key] = coerce(key, value, field.type,
-                                  assignment(where[3:], key) or where[3:] if in_file else None)
+        line = (assignment(where[3:], key) or where[3:]) if in_file else None  # a file's value
+        kwargs[cls][key] = coerce(key, value, field.type, line)
     try:
         instances = [cls(**kwargs[cls]) for cls in classes]
     except ValueError as e:
