@@ -47,6 +47,8 @@ from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
                   "It is the east, and Juliet is the")
+MAX_TIMES = 10_000  # --times: more points than a figure has pixels across (1,000 take 18 s on the
+# default checkpoint on the shared CPU; 100,000,000 took 6 h 48 min on a tiny model)
 # f(t) = t^p; p = 0 is 1
 SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}
 
@@ -68,8 +70,8 @@ class AnalyzeConfig:
     def __post_init__(self):
         if self.all:
             self.spectral = self.cluster = self.lyapunov = True
-        if self.steps < 0 or self.times < 2 or self.top < 1:
-            raise ValueError(f"need --steps >= 0, --times >= 2 and --top >= 1, "
+        if self.steps < 0 or not 2 <= self.times <= MAX_TIMES or self.top < 1:
+            raise ValueError(f"need --steps >= 0, --times in 2..{MAX_TIMES:,} and --top >= 1, "
                              f"got {self.steps}, {self.times}, {self.top}")
 
 

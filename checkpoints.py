@@ -59,8 +59,10 @@ def save(obj, path, resumable=False):
             os.remove(tmp)
         kept = "what was there before is intact" + (" (a run resumes from it with "
                                                      "--init_from=resume)") * resumable
+        first = ("the run saved no checkpoint (its log is written): free some space, then start "
+                 "it over with --overwrite") if resumable else "nothing was written"
         raise UserError(f"could not write {path}: {cause.strerror or cause}; "
-                        f"{kept if existed else 'nothing was written'}") from None
+                        f"{kept if existed else first}") from None
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -130,9 +132,10 @@ def load_folder(path):
         except (TypeError, ValueError) as e:
             raise UserError(f"{path}/config.json: {e}") from None
         model_config = {**model_config, "n_layer": steps, "solver": solver}  # an ODE's default
+    training = {"source": config["training"]} if config.get("training") else {}  # export.training
     return {"kind": MODEL, "model_config": model_config, "model": weights,
             "tokenizer": config["tokenizer"], "optimizer": None, "iter_num": 0,
-            "best_val_loss": config.get("val_loss")}
+            "best_val_loss": config.get("val_loss"), **training}
 
 
 def load(path, kind=MODEL, map_location="cpu"):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import RUN_FILES, ConfigError, UserError, make_dir, written
+from configurator import RUN_FILES, ConfigError, UserError, in_use, make_dir, written
 
 # -- processes and devices -------------------------------------------------------------------------
 
@@ -62,6 +62,15 @@ def check_device(device):
     traceback, lists twenty kinds of device, most of which no script here supports)."""
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
         raise ConfigError(f"device={device!r}: use auto, cpu, cuda, cuda:N (the N-th GPU) or mps")
+
+
+def check_one_process(script):
+    """Refuse torchrun's several processes for a script that runs in one: each process would do the
+    whole work again and print it (a ConfigError: every rank has it, rank 0 says it)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        raise ConfigError(f"{script} runs in one process: start it with python, not torchrun (each "
+                          f"of the {world} processes would print all of its output)")
 
 
 def setup(device="auto", dtype="auto", seed=1337):
@@ -194,12 +203,7 @@ def lock(out_dir, flag="out_dir"):
     try:
         held.acquire()
     except filelock.Timeout:
-        holder = "another process"
-        if os.path.isfile(pid_file):
-            with open(pid_file) as f:
-                holder = f.read().strip() or holder
-        raise UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it "
-                        f"to finish or choose another --{flag}") from None
+        raise in_use(out_dir, flag) from None
     try:
         with written(pid_file) as tmp, open(tmp, "w") as f:  # a full disk: one line, no empty file
             f.write(f"pid {os.getpid()}")

@@ -10,6 +10,7 @@ dataclass field that owns it and coerced to that field's type; an unknown key or
 ConfigError that names the valid keys; `--help` lists every key with its default. nanoGPT's
 exec-based configurator accepts typos and rejects `--steps 9` or `--lora`; this one does neither.
 """
+import ast
 import contextlib
 import dataclasses
 import errno
@@ -22,6 +23,8 @@ import sys
 import time
 import types
 import typing
+
+import filelock
 
 
 class UserError(Exception):
@@ -46,12 +49,13 @@ class Diverged(UserError):
     every_rank = True
 
 
-def int_range(text, key, high):
+def int_range(text, key, high, low=1):
     """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within
-    1..high."""
+    low..high."""
     lo, _, hi = text.partition("-")
-    if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo) <= high):
-        raise ValueError(f"{key}={text!r}: use a whole number or a range like 3-9 within 1..{high}")
+    if not (lo.isdigit() and (hi or lo).isdigit() and low <= int(lo) <= int(hi or lo) <= high):
+        raise ValueError(f"{key}={text!r}: use a whole number or a range like 3-9 within "
+                         f"{low}..{high}")
     return int(lo), int(hi or lo)
 
 
@@ -83,6 +87,18 @@ def make_dir(path, flag):
 # what a run leaves in its out_dir (train.py, finetune.py; --merge's merged.pt): each marks a run
 RUN_FILES = ("ckpt.pt", "ckpt_sharded", "adapters.pt", "merged.pt", "results.json", "log.jsonl",
              "loss.png", "tensorboard")
+CHECKPOINTS = RUN_FILES[:2]  # what --init_from=resume continues (one file, or FSDP's shards)
+LOGS = RUN_FILES[-3:]  # what a run writes before its first checkpoint
+
+
+def in_use(out_dir, flag="out_dir"):
+    """The UserError of an out_dir whose lock a live run holds (common.lock), naming its pid."""
+    holder = "another process"
+    if os.path.isfile(pid_file := os.path.join(out_dir, ".lock.pid")):
+        with open(pid_file) as f:
+            holder = f.read().strip() or holder
+    return UserError(f"{out_dir} is in use by a run that is still going ({holder}); wait for it to "
+                     f"finish or choose another --{flag}")
 
 
 # the repository's own folders (what a clone holds; out*/ and runs/ are the runs'): no run or
@@ -105,19 +121,39 @@ def check_own_folder(path, flag):
 
 
 def check_out_dir(cfg):
-    """Refuse, before anything is written, an out_dir whose files would replace the checkpoint the
-    run starts from (whatever --overwrite says), and a new run in an out_dir that holds a run (any
-    of RUN_FILES): it would be replaced without a word. --init_from=resume continues it,
-    --overwrite starts over (as transformers' --overwrite_output_dir; runlog.start_over removes
-    the earlier run's files as the new run begins). A folder of the project's own: refused."""
+    """Refuse, before anything is written, an out_dir of the project's own files (the repository's
+    root, data/, ...); one that a live run holds (its lock: it says so first); one whose files would
+    replace the checkpoint the run starts from (whatever --overwrite says); --init_from=resume where
+    out_dir holds no checkpoint; and a new run in an out_dir that holds a run (any of RUN_FILES): it
+    would be replaced without a word. --init_from=resume continues it, --overwrite starts over (as
+    transformers' --overwrite_output_dir; runlog.start_over removes the earlier run's files as the
+    new run begins)."""
     check_own_folder(cfg.out_dir, "out_dir")
+    lock = filelock.FileLock(os.path.join(cfg.out_dir, ".lock"), timeout=0)  # one try
+    if os.path.isfile(lock.lock_file):  # a run's, live or ended: held means live
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise in_use(cfg.out_dir) from None
+        lock.release()
     files = [os.path.join(cfg.out_dir, name) for name in RUN_FILES]
     if cfg.init_from != "resume" and os.path.exists(cfg.init_from) and os.path.realpath(
             cfg.init_from) in map(os.path.realpath, [cfg.out_dir, *files]):
         raise UserError(f"--out_dir={cfg.out_dir} would write over --init_from={cfg.init_from}, "
                         f"the checkpoint this run starts from: choose another --out_dir")
     held = [os.path.basename(name) for name in files if os.path.exists(name)]
+    logs_only = held and set(held) <= set(LOGS)  # a run stopped before its first checkpoint
+    if cfg.init_from == "resume" and not set(held) & set(CHECKPOINTS):
+        raise UserError(f"--init_from=resume: {cfg.out_dir} holds no checkpoint (ckpt.pt) to "
+                        f"resume: " + (f"its run stopped before it saved one ({held[0]}); start "
+                                       f"it over with --overwrite" if logs_only else
+                                       "start a new run without --init_from=resume, or name the "
+                                       "run's folder with --out_dir"))
     if held and cfg.init_from != "resume" and not cfg.overwrite:
+        if logs_only:
+            raise UserError(f"{cfg.out_dir} holds a run that stopped before its first checkpoint "
+                            f"({held[0]}): start it over with --overwrite (which replaces its "
+                            f"log), or write elsewhere with another --out_dir")
         raise UserError(f"{cfg.out_dir} holds a run ({held[0]}): continue it with "
                         f"--init_from=resume, write elsewhere with another --out_dir, or start "
                         f"over with --overwrite (which removes its files first)")
@@ -166,9 +202,11 @@ def fields_of(*classes):
     return owners
 
 
-def coerce(key, value, annotation):
+def coerce(key, value, annotation, where=None):
     """value (a string from the command line, or a Python value from a config file) as
-    `annotation`."""
+    `annotation`; a bad one is a ConfigError that names the flag, or `where` the config file sets
+    it ("config/x.py, line 3")."""
+    flag = f"--{key}" if where is None else f"{where}: {key}"
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     optional = is_union and type(None) in typing.get_args(annotation)
     if optional:
@@ -188,16 +226,20 @@ def coerce(key, value, annotation):
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not annotation:
-        raise ConfigError(f"--{key} expects {annotation.__name__}, got {value!r}")
+        raise ConfigError(f"{flag} expects {annotation.__name__}, got {value!r}")
     if annotation is float and not math.isfinite(value):
-        raise ConfigError(f"--{key} must be a finite number, got {value!r}")
+        raise ConfigError(f"{flag} must be a finite number, got {value!r}")
     if key == "seed" and not 0 <= value < SEEDS:  # one rule for every script's --seed
-        raise ConfigError(f"--seed={value} must be a whole number in 0..{SEEDS - 1}")
+        raise ConfigError(f"{flag}={value} must be a whole number in 0..{SEEDS - 1}")
+    if annotation is int and key != "seed" and abs(value) > MAX_COUNT:  # 1e23 iterations: a typo
+        raise ConfigError(f"{flag}={value} is past {MAX_COUNT:,} (2^31 - 1), the most that any "
+                          f"count of this project takes: give a smaller number")
     return value
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository: config/ lives here
 SEEDS = 2 ** 32  # --seed: numpy's RNGs take no negative seed, torch.manual_seed none past 2^64
+MAX_COUNT = 2 ** 31 - 1  # every other whole number: iterations, samples, tokens, sizes, times
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
               "0": False, "false": False, "no": False, "off": False}
 
@@ -232,6 +274,23 @@ def read_config_file(path, relative_to=None):
     return {k: v for k, v in scope.items()
             if not k.startswith("_") and k != "include"
             and not isinstance(v, (types.ModuleType, types.FunctionType))}
+
+
+def assignment(path, key, relative_to=None):
+    """Where a config file sets `key`, as "config/x.py, line 3": its last assignment, or that of a
+    file it includes after it; None where it is not found."""
+    found, lines = find_config_file(path, relative_to), []
+    shown = found if relative_to else path  # an included file by the path that found it
+    for node in ast.walk(ast.parse(open(found).read())):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(n, ast.Name) and n.id == key for t in targets for n in ast.walk(t)):
+                lines.append((node.lineno, f"{shown}, line {node.lineno}"))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "include"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            inner = assignment(node.args[0].value, key, os.path.dirname(found))
+            lines += [(node.lineno, inner)] if inner else []
+    return max(lines)[1] if lines else None
 
 
 def field_comments(cls):
@@ -306,13 +365,15 @@ def split_args(argv, owners):
     return files, pairs
 
 
-def parse_config(argv, *classes, defaults=None, default_file=None):
+def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
     """Build one instance of each dataclass from argv (config files, then flags, later wins);
     `default_file` is read when argv names no config file.
 
     Returns (instances..., given): `given` is the set of keys the user chose, in a config file they
     named or on the command line, so that a script can tell a choice from a default (resuming, a
-    checkpoint's shape and tokenizer win over `defaults` and `default_file`)."""
+    checkpoint's shape and tokenizer win over `defaults` and `default_file`). `check(given)` runs
+    before any instance is built: a script refuses there the keys it does not take (finetune.py:
+    the model's shape), before their values are checked against other keys' defaults."""
     owners = fields_of(*classes)
     asked_help = "--help" in argv or "-h" in argv
     files, pairs = split_args([a for a in argv if a not in ("--help", "-h")], owners)
@@ -336,10 +397,14 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
         where = values[unknown[0]][1]
         raise ConfigError(f"unknown config key {unknown[0]!r} {where}; "
                           f"valid keys: {', '.join(sorted(owners))}")
+    if check:
+        check(given)
     kwargs = {cls: {} for cls in classes}
-    for key, (value, _) in values.items():
+    for key, (value, where) in values.items():
         cls, field = owners[key]
-        kwargs[cls][key] = coerce(key, value, field.type)
+        in_file = where.startswith("in ") and where != "in the script's defaults"
+        line = (assignment(where[3:], key) or where[3:]) if in_file else None  # a file's value
+        kwargs[cls][key] = coerce(key, value, field.type, line)
     try:
         instances = [cls(**kwargs[cls]) for cls in classes]
     except ValueError as e:
@@ -348,7 +413,7 @@ def parse_config(argv, *classes, defaults=None, default_file=None):
 
 
 def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
-    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main's handler
+    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main catches it
     (while a script imports torch, seconds under load) is one line, not a traceback; Python then
     ends the process by SIGINT (status 130 in a shell), as after any Ctrl-C."""
     if not issubclass(kind, KeyboardInterrupt):
@@ -358,15 +423,18 @@ def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
 
 
 sys.excepthook = say_ctrl_c  # every script imports this module first, before numpy and torch
+# A process that a shell without job control (a script) starts in the background inherits SIGINT
+# ignored: restored here, before numpy and torch import, so that SIGINT stops it from the start
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run_main(main):
     """Run a script's main(), turning the errors a user can fix into one line on stderr (a full
     disk, a quota or a read-only file system too, wherever a file is written), and Ctrl-C into one
-    line and status 130 wherever it comes (a process started in the background by a shell inherits
-    SIGINT ignored: Ctrl-C is made to stop it all the same), and a closed stdout into a quiet end
-    with status 141, as a Unix tool's (`python sample.py | head`)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    line and status 130 wherever it comes (in a process started in the background too: this module
+    restores SIGINT as it is imported), and a closed stdout into a quiet end with status 141, as a
+    Unix tool's (`python sample.py | head`)."""
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt as e:  # a second Ctrl-C during training, or one anywhere else

@@ -82,16 +82,14 @@ def validation_loss(facts):
     return None if loss is None or loss == float("inf") else loss
 
 
-def model_card(model, tokenizer, facts, source, fmt, name):
-    """README.md of the folder: what the model is, how it was trained, how to load it (from `name`,
-    the folder or its Hub id, by commands that run as printed), its loss."""
-    cfg, loss = model.cfg, validation_loss(facts)
-    depth = cfg.depth_label()
+def training(facts, cfg):
+    """How the checkpoint was trained, a sentence of the card, or None where it records nothing.
+    config.json keeps it, so that an export of an export (a folder's `source`) tells it again."""
     train = facts.get("train_config") or {}
     trained = (f"{facts.get('iter_num', '?')} iterations of {train['batch_size']} x "
                f"{train['gradient_accumulation_steps']} sequences of {cfg.block_size} tokens on "
                f"{train['dataset']} (AdamW, learning rate {train['learning_rate']:g})"
-               if train else facts.get("source", "Not recorded in the checkpoint"))
+               if train else facts.get("source"))
     if facts.get("kind") == checkpoints.ADAPTERS:
         run = facts.get("results", {})
         trained = (f"LoRA (rank {facts['rank']}) fine-tuning of {facts['base_checkpoint']} as a "
@@ -101,6 +99,15 @@ def model_card(model, tokenizer, facts, source, fmt, name):
         trained = f"fine-tuned from {facts.get('base_checkpoint')}: {trained}"
     if "merged_from" in facts:
         trained = f"LoRA adapters {facts['merged_from']} merged into their base"
+    return trained
+
+
+def model_card(model, tokenizer, facts, source, fmt, name):
+    """README.md of the folder: what the model is, how it was trained, how to load it (from `name`,
+    the folder or its Hub id, by commands that run as printed), its loss."""
+    cfg, loss = model.cfg, validation_loss(facts)
+    depth = cfg.depth_label()
+    trained = training(facts, cfg) or "Not recorded in the checkpoint"
     if fmt == "hf":
         cls = "GPT2LMHeadModel" if cfg.flavor == "gpt" else "LlamaForCausalLM"
         load = [f"from transformers import {cls}, AutoTokenizer", f"DIR = {json.dumps(name)}",
@@ -135,15 +142,16 @@ def model_card(model, tokenizer, facts, source, fmt, name):
 
 
 def save_folder(model, tokenizer, out, facts):
-    """config.json (the project's keys: format, model config, tokenizer, validation loss; and
-    transformers': model_type, auto_map, the end-of-text token), model.safetensors, the remote code
-    and, where transformers is installed, its tokenizer files."""
+    """config.json (the project's keys: format, model config, tokenizer, validation loss, training;
+    and transformers': model_type, auto_map, the end-of-text token), model.safetensors, the remote
+    code and, where transformers is installed, its tokenizer files."""
     from safetensors.torch import save_file
     cfg = model.cfg
     end = dict(bos_token_id=50256, eos_token_id=50256, pad_token_id=50256) \
         if tokenizer == "gpt2" else {}  # bytes: no end-of-text token (the tokenizer pads with 0)
     config = dict(format="diffeqformer", model_config=cfg.to_dict(), tokenizer=tokenizer,
-                  val_loss=validation_loss(facts), model_type="diffeqformer",
+                  val_loss=validation_loss(facts), training=training(facts, cfg),
+                  model_type="diffeqformer",
                   architectures=["DiffEqFormerForCausalLM"], auto_map=AUTO_MAP, **end)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})

@@ -91,15 +91,35 @@ def merge_file(path, base_path=None, overwrite=False):
 
 # -- the script -----------------------------------------------------------------------------------
 
-def check_options(mcfg, fcfg, cfg, given):
-    """What the command line alone decides, before any data or model work."""
-    if fcfg.merge:  # refused rather than ignored: a user who gives --steps expects it to count
+def check_given(given):
+    """The keys fine-tuning does not take, refused before any config is built from them (a width
+    of --n_embd=64 was refused by the head count of ModelConfig's default, n_head=12)."""
+    if "merge" in given:  # refused, not ignored: a user who gives --steps expects it to count
         ignored = sorted(given - {"merge", "merge_base", "overwrite"})
         if ignored:
             raise ConfigError(f"--merge folds adapters into their base with the settings "
                               f"recorded in the adapters file, and trains nothing: it would ignore "
                               f"{', '.join('--' + k for k in ignored)}; leave them out")
+        return
+    if "n_layer" in given:
+        raise ConfigError("--n_layer: the fine-tuned depth is --steps N (the layers of the "
+                          "materialised ODE)")
+    shape = sorted(k for k in given if k in ModelConfig.__dataclass_fields__
+                   and k not in (*RUNTIME_KEYS, "solver"))
+    if shape:
+        raise ConfigError(f"--{shape[0]}: the model's shape comes from the checkpoint; fine-tuning "
+                          f"may set only {', '.join('--' + k for k in RUNTIME_KEYS)} and --steps")
+
+
+def check_options(mcfg, fcfg, cfg, given):
+    """What the command line alone decides, before any data or model work."""
+    if fcfg.merge:
         return cfg
+    ignored = sorted(k for k in given if k.startswith("lora_"))
+    if not fcfg.lora and ignored:  # refused rather than ignored, as beside --merge
+        raise ConfigError(f"--no-lora fine-tunes every weight, with no adapters: it would ignore "
+                          f"{', '.join('--' + k for k in ignored)}; leave them out, or fine-tune "
+                          f"with LoRA (--lora)")
     if fcfg.merge_base:
         raise ConfigError("--merge_base names the base checkpoint of the adapters that --merge "
                           "folds in: give --merge=ADAPTERS too, or leave --merge_base out")
@@ -109,24 +129,16 @@ def check_options(mcfg, fcfg, cfg, given):
     if cfg.parallel == "fsdp":
         raise ConfigError("finetune.py runs under DDP (--parallel=ddp): a materialised model is "
                           "the size of a GPT, and its adapters are saved from one unsharded copy")
-    if "n_layer" in given:
-        raise ConfigError("--n_layer: the fine-tuned depth is --steps N (the layers of the "
-                          "materialised ODE)")
     if mcfg.solver != "euler":
         raise ConfigError(f"--solver={mcfg.solver}: a materialised model is the Euler "
                           f"discretisation of the ODE (METHOD 5); fine-tune at another depth with "
                           f"--steps N")
-    shape = sorted(k for k in given if k in ModelConfig.__dataclass_fields__
-                   and k not in (*RUNTIME_KEYS, "solver"))
-    if shape:
-        raise ConfigError(f"--{shape[0]}: the model's shape comes from the checkpoint; fine-tuning "
-                          f"may set only {', '.join('--' + k for k in RUNTIME_KEYS)} and --steps")
     return train.check_launch(cfg, mcfg)
 
 
 def main(argv):
     mcfg, fcfg, cfg, given = parse_config(argv, ModelConfig, FinetuneConfig, train.TrainConfig,
-                                          default_file=DEFAULT_CONFIG)
+                                          default_file=DEFAULT_CONFIG, check=check_given)
     cfg = check_options(mcfg, fcfg, cfg, given)
     if fcfg.merge:
         merged = merge_file(fcfg.merge, fcfg.merge_base or None, cfg.overwrite)
@@ -141,10 +153,7 @@ def main(argv):
         lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
         run = None
         if cfg.init_from == "resume":  # out_dir's fine-tuning run: its base, steps, LoRA settings
-            run = resume.load_run(cfg, env, kind=(checkpoints.LORA_RUN, checkpoints.MODEL))
-            if "finetune_config" not in run:
-                raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: "
-                                f"resume it with train.py")
+            run = resume.load_run(cfg, env, fine_tuning=True)
             fcfg = FinetuneConfig(**run["finetune_config"])
             checkpoints.check_base(run["base_checkpoint"], run["base_sha256"])
         base_path = run["base_checkpoint"] if run else source

@@ -210,7 +210,12 @@ def read_files(paths):
 def file_source(paths):
     """Absolute path, size and mtime of each file, so that an edited file is prepared again."""
     for path in paths:
-        if not os.path.isfile(path):
+        if os.path.isdir(path):
+            raise UserError(f"input file {path} is a folder: name the text files in it")
+        if os.path.exists(path) and not os.path.isfile(path):  # a size and date tell a changed file
+            raise UserError(f"input file {path} is not a regular file (a named pipe or a device): "
+                            f"save the text into a file and name that")
+        if not os.path.exists(path):
             raise UserError(f"input file {path} does not exist")
     return ", ".join(f"{os.path.abspath(p)} "
                      f"({os.path.getsize(p)} bytes, mtime {os.stat(p).st_mtime_ns})" for p in paths)

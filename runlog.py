@@ -62,13 +62,19 @@ class Run:
         self.interrupt.close()
 
     def iterations(self):
-        """start..end, each once, or none for a resumed run that has done what it was asked."""
+        """start..end, each once, or none for a resumed run that has done what it was asked; a run
+        that stops before its warm-up ends says so."""
+        cfg = self.cfg
         if self.start >= self.end:
-            cfg = self.cfg
             self.env.print(f"{cfg.out_dir}/ is at iteration {self.start}: nothing left to train "
                            f"with max_iters={cfg.max_iters}"
                            f"{f' and stop_at={cfg.stop_at}' * bool(cfg.stop_at)}")
             return iter(())
+        if self.end < cfg.warmup_iters:  # iterations 0 .. warmup - 1 warm up: stop_at cuts it short
+            self.env.print(f"note: the warm-up takes {cfg.warmup_iters:,} iterations "
+                           f"(warmup_frac={cfg.warmup_frac:g} of max_iters={cfg.max_iters:,}); this "
+                           f"run stops at {self.end:,} (stop_at), before the learning rate reaches "
+                           f"{cfg.learning_rate:g}")
         return iter(self.bar)
 
     def interrupted(self, it):

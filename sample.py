@@ -283,6 +283,7 @@ def describe(model, steps, solver):
 
 def main(argv):
     cfg, _ = parse_config(argv, SampleConfig)
+    common.check_one_process("sample.py")  # under torchrun every process printed every sample
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     model, ckpt = checkpoints.load_model(cfg.init_from)
     model.to(env.device)

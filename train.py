@@ -115,6 +115,11 @@ class TrainConfig:
             raise ValueError(f"learning_rate={self.learning_rate} and eps={self.eps} must be "
                              f"positive")
 
+    @property
+    def warmup_iters(self):
+        """The iterations of the learning rate's linear warm-up: warmup_frac of max_iters, >= 1."""
+        return max(1, round(self.warmup_frac * self.max_iters))
+
 
 # -- optimizer and schedule ------------------------------------------------------------------------
 
@@ -132,7 +137,7 @@ def configure_optimizer(model, cfg, device):
 
 def learning_rate(it, cfg):
     """Linear warm-up over warmup_frac of the iterations, then cosine decay to min_lr_ratio * lr."""
-    warmup = max(1, round(cfg.warmup_frac * cfg.max_iters))
+    warmup = cfg.warmup_iters
     if it < warmup:
         return cfg.learning_rate * (it + 1) / warmup
     progress = min(1.0, (it - warmup) / max(1, cfg.max_iters - warmup))

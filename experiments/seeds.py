@@ -29,7 +29,8 @@ import torch
 
 import checkpoints
 import train
-from configurator import UserError, int_range, make_dir, parse_config, run_main, written
+from configurator import (SEEDS, UserError, int_range, make_dir, parse_config, run_main,
+                          written)
 from experiments.reproduce import ROOT, Job, final_val_loss, run
 from model import DiffEqFormer, ModelConfig
 
@@ -49,7 +50,8 @@ class SeedsConfig:
     data_root: str = "data"
 
     def __post_init__(self):
-        lo, hi = int_range(self.seeds, "seeds", 2 ** 31)  # a ValueError: one line, before any work
+        # every --seed's rule (0..2^32-1); a ValueError: one line, before any work
+        lo, hi = int_range(self.seeds, "seeds", SEEDS - 1, 0)
         draws = self.draws.split(",")
         if not all(d.strip() in map(str, DRAWS) for d in draws) or len(set(draws)) < len(draws):
             which = "; ".join(f"{d}: {what}" for d, what in DRAWS.items())
@@ -138,7 +140,7 @@ def main(argv):
     cfg, _ = parse_config(argv, SeedsConfig)
     cfg.out = os.path.abspath(cfg.out)
     os.chdir(ROOT)  # --runs and --data_root are the repository's, as the jobs (run there) see them
-    lo, hi = int_range(cfg.seeds, "seeds", 2 ** 31)
+    lo, hi = int_range(cfg.seeds, "seeds", SEEDS - 1, 0)
     seeds, draws = range(lo, hi + 1), [int(d) for d in cfg.draws.split(",")]
     make_dir(cfg.runs, "runs")  # read-only, or a file in the way: one line, before any work
     make_dir(os.path.dirname(cfg.out), "out")

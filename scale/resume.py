@@ -121,9 +121,11 @@ def save_run(model, optimizer, state, cfg, env, extra):
         checkpoints.save(ckpt, os.path.join(cfg.out_dir, "ckpt.pt"), resumable=True)
 
 
-def load_run(cfg, env, kind=checkpoints.MODEL):
+def load_run(cfg, env, fine_tuning=False):
     """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no
-    weights). A run resumes on the data it trained on: another --dataset is refused."""
+    weights); a fine-tuning run's (LoRA or full) where finetune.py resumes, which refuses a
+    pretraining run first. A run resumes on the data it trained on: another --dataset is refused."""
+    kind = (checkpoints.LORA_RUN, checkpoints.MODEL) if fine_tuning else checkpoints.MODEL
     folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
     if parallel.sharded(cfg, env):
         ckpt = checkpoints.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
@@ -132,6 +134,9 @@ def load_run(cfg, env, kind=checkpoints.MODEL):
                         f"--parallel=fsdp, or convert it first with --convert={folder}")
     else:
         ckpt = checkpoints.load(single, kind)
+    if fine_tuning and "finetune_config" not in ckpt:
+        raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: resume it "
+                        f"with train.py")
     trained = ckpt.get("train_config", {}).get("dataset", cfg.dataset)
     if trained != cfg.dataset:  # a config file left out of the resuming command, say
         raise ConfigError(f"the run in {cfg.out_dir} trains on --dataset={trained}: resuming it on "

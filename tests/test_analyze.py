@@ -327,6 +327,19 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path, monkeypatch
     assert not (tmp_path / "out").exists()  # every check comes before any work (--all does not simulate first)
 
 
+def test_the_spectral_times_are_bounded_before_any_work(tmp_path, monkeypatch, capsys):
+    """--spectral --times=100000000 was accepted: 6 h 48 min for a tiny model. At most MAX_TIMES (10,000,
+    accepted), refused in one line before the checkpoint is read."""
+    from test_faults import one_line
+    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
+    assert analyze.AnalyzeConfig(spectral=True, times=10_000).times == 10_000  # the bound
+    for times in (10_001, 100_000_000):
+        line = one_line(analyze.main, ["--spectral", f"--times={times}", f"--out={tmp_path / 'out'}"], capsys,
+                        monkeypatch)
+        assert line == f"error: need --steps >= 0, --times in 2..10,000 and --top >= 1, got 0, {times}, 10"
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_script_prints_one_error_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["analyze.py", "--lyapunov", f"--init_from={tmp_path / 'none.pt'}"])
     with pytest.raises(SystemExit) as exit_info:

@@ -460,8 +460,55 @@ def test_every_file_a_run_leaves_marks_its_folder_as_holding_a_run(tmp_path, cap
     monkeypatch.setattr(common, "lock", past_the_check)
     for main, argv in ((train.main, []), (finetune.main, ["--steps=2", f"--init_from={base}"])):
         line = one_line(main, [*argv, f"--out_dir={out}", f"--data_root={tmp_path / 'data'}"], capsys, monkeypatch)
-        assert line.startswith(f"error: {out} holds a run ({name}): continue it with --init_from=resume")
+        logs_only = name in ("log.jsonl", "loss.png", "tensorboard")  # a run stopped before a checkpoint
+        assert line.startswith(f"error: {out} holds a run that stopped before its first checkpoint ({name}): "
+                               f"start it over with --overwrite" if logs_only else
+                               f"error: {out} holds a run ({name}): continue it with --init_from=resume")
     assert sorted(os.listdir(out)) == [name] and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("held", [None, "", "log.jsonl"])
+def test_resuming_a_folder_without_a_checkpoint_is_one_line_that_writes_nothing(tmp_path, capsys, monkeypatch,
+                                                                               held):
+    """train.py --init_from=resume --out_dir=NEW made NEW/ and its lock files, then said that NEW/ckpt.pt does
+    not exist; a folder whose run stopped before its first checkpoint (its log.jsonl only) sent the user round
+    in a loop (resume: no checkpoint; a new run: holds a run, resume it). Both say the way out, before the lock,
+    in train.py and finetune.py alike."""
+    from test_faults import one_line
+    import finetune
+    out = tmp_path / "out"
+    if held is not None:
+        out.mkdir()
+    if held:
+        (out / held).write_text("{}\n")
+    monkeypatch.setattr(common, "lock", past_the_check)
+    for main in (train.main, finetune.main):
+        line = one_line(main, ["--init_from=resume", f"--out_dir={out}", f"--data_root={tmp_path / 'data'}"],
+                        capsys, monkeypatch)
+        assert line == f"error: --init_from=resume: {out} holds no checkpoint (ckpt.pt) to resume: " + (
+            "its run stopped before it saved one (log.jsonl); start it over with --overwrite" if held else
+            "start a new run without --init_from=resume, or name the run's folder with --out_dir")
+    assert sorted(os.listdir(tmp_path)) == (["out"] if held is not None else [])
+    assert held is None or os.listdir(out) == [held] * bool(held)
+
+
+@pytest.mark.parametrize("resuming", [False, True])
+def test_a_run_into_a_live_runs_folder_says_first_that_it_is_running(tmp_path, capsys, monkeypatch, resuming):
+    """A second run into the folder of a run that is still going said "holds a run: continue it with
+    --init_from=resume"; following that gave the holder's pid. The live run comes first."""
+    from test_faults import one_line
+    out = tmp_path / "out"
+    held = common.lock(str(out))
+    try:
+        (out / "ckpt.pt").write_bytes(b"the live run's")
+        monkeypatch.setattr(common, "lock", past_the_check)
+        argv = [f"--out_dir={out}", f"--data_root={tmp_path / 'data'}", *["--init_from=resume"] * resuming]
+        assert one_line(train.main, argv, capsys, monkeypatch) == (
+            f"error: {out} is in use by a run that is still going (pid {os.getpid()}); wait for it to finish or "
+            f"choose another --out_dir")
+    finally:
+        held.release()
+    assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "ckpt.pt"] and not (tmp_path / "data").exists()
 
 
 def test_no_flag_lets_a_fine_tuning_write_over_the_base_it_reads(tmp_path, capsys, monkeypatch):

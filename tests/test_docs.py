@@ -331,3 +331,26 @@ def test_the_quick_start_says_what_to_type_after_an_interrupted_run():
     readme = open(os.path.join(ROOT, "README.md")).read()
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert "`python train.py --init_from=resume`" in quick and "`--overwrite`" in quick
+
+
+def requirements(name):
+    """The requirement lines of a requirements file, `-r other.txt` read in where it stands (as pip
+    reads it, relative to the file), comments and blank lines left out."""
+    lines = []
+    for line in open(os.path.join(ROOT, name)):
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            lines += requirements(line[3:].strip())
+        elif line:
+            lines.append(line)
+    return lines
+
+
+def test_the_extras_install_on_top_of_the_requirements_with_torch_pinned():
+    """`pip install -r requirements-eval.txt` alone, as docs/evaluation.md can be read, installed the
+    newest CUDA torch (torchdiffeq pulls it: 6.3 GB) and no tiktoken nor matplotlib: no script ran.
+    The extras file reads requirements.txt first, and names no torch of its own."""
+    base, extras = requirements("requirements.txt"), requirements("requirements-eval.txt")
+    assert extras[:len(base)] == base  # every package of requirements.txt, as pinned there
+    torch_lines = [r for r in extras if re.match(r"torch\s*($|[=<>!~;\[])", r)]
+    assert len(torch_lines) == 1 and re.fullmatch(r"torch==[\d.]+", torch_lines[0]), torch_lines

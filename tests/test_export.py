@@ -107,6 +107,30 @@ def test_config_json_and_model_card(saved, tmp_path):
         assert words in card
 
 
+@pytest.mark.parametrize("kind", ["diffeq", "adapters"])
+def test_an_export_exported_again_in_place_keeps_its_training_history(kind, saved, tmp_path):
+    """`export.py --init_from=EXPORT --out=EXPORT` wrote a card that said "Not recorded in the checkpoint":
+    config.json now keeps the training sentence, which an export of the folder tells again."""
+    run = checkpoints.load(saved[kind], kind=(checkpoints.MODEL, checkpoints.ADAPTERS))
+    if kind == "diffeq":  # a pretraining run's record
+        run["train_config"] = dict(batch_size=4, gradient_accumulation_steps=2, dataset="shakespeare",
+                                   learning_rate=2e-3)
+    checkpoints.save(run, str(tmp_path / "run.pt"))
+    folder = str(tmp_path / "folder")
+    export.export(str(tmp_path / "run.pt"), folder)
+
+    def training():
+        card = open(os.path.join(folder, "README.md")).read()
+        return card.split("## Training\n\n")[1].split(" Exported from")[0]
+    first = ("7 iterations of 4 x 2 sequences of 32 tokens on shakespeare (AdamW, learning rate 0.002)"
+             if kind == "diffeq" else f"LoRA (rank 2) fine-tuning of {saved['diffeq']} as a 5-layer "
+                                      f"transformer (? iterations on ?), merged into its weights")
+    assert training() == first + "."
+    export.export(folder, folder)
+    assert training() == first + "."
+    assert json.load(open(os.path.join(folder, "config.json")))["training"] == first
+
+
 def test_adapters_export_the_validation_loss_after_fine_tuning(saved, tmp_path):
     """An adapters file's folder reports the validation loss its fine-tuning run ended at
     (results.json's `after`, beside the file), not the one before fine-tuning, in config.json and

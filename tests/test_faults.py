@@ -267,8 +267,9 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_
 def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(tmp_path, capsys, monkeypatch,
                                                                                 shakespeare):
     """A merge, or a run's first checkpoint, has nothing before it: "what was there before is intact (a run
-    resumes from it with --init_from=resume)" misled."""
+    resumes from it with --init_from=resume)" misled. A run's log is there: the way out is --overwrite."""
     from test_sample import byte_model, save_model
+    real_save, real_lock = torch.save, common.lock
     base = save_model(tmp_path / "base.pt", byte_model())
     layers = lora.add_lora(byte_model().materialize(3), rank=2)
     adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), base, checkpoints.file_hash(base), 3)
@@ -280,8 +281,23 @@ def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(t
     argv = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={out}",
                     "--max_iters=2", "--eval_interval=2")
     line = one_line(train.main, argv, capsys, monkeypatch)
-    assert line == f"error: could not write {out / 'ckpt.pt'}: No space left on device; nothing was written"
+    assert line == f"error: could not write {out / 'ckpt.pt'}: No space left on device; the run saved no " \
+                   f"checkpoint (its log is written): free some space, then start it over with --overwrite"
     assert not (out / "ckpt.pt").exists() and not (tmp_path / "merged.pt").exists()
+    # issue 49: "nothing was written", then the same command was refused ("holds a run (log.jsonl): ...
+    # --init_from=resume"), and resuming said the checkpoint does not exist and to run it again
+    assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "log.jsonl"]
+    monkeypatch.setattr(common, "lock", lambda *a: pytest.fail("work began"))
+    line = one_line(train.main, argv, capsys, monkeypatch)
+    assert line == f"error: {out} holds a run that stopped before its first checkpoint (log.jsonl): start it " \
+                   f"over with --overwrite (which replaces its log), or write elsewhere with another --out_dir"
+    line = one_line(train.main, [*argv, "--init_from=resume"], capsys, monkeypatch)
+    assert line == f"error: --init_from=resume: {out} holds no checkpoint (ckpt.pt) to resume: its run stopped " \
+                   f"before it saved one (log.jsonl); start it over with --overwrite"
+    monkeypatch.setattr(torch, "save", real_save)  # room on the disk again
+    monkeypatch.setattr(common, "lock", real_lock)
+    train.main([*argv, "--overwrite"])
+    assert (out / "ckpt.pt").exists()
 
 
 @pytest.mark.parametrize("main,argv,message", [

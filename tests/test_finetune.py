@@ -227,9 +227,9 @@ def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakesp
     """--init_from=resume takes base, steps and LoRA-or-full from the run, whatever the command line says."""
     data = f"--data_root={tmp_path / 'data'}"
     pretrain(tmp_path, shakespeare)
-    shared = ["--steps", "3", "--lora_dropout=0.1", "--dropout=0.1", data, f"--input_file={shakespeare}",
+    shared = ["--steps", "3", "--dropout=0.1", data, f"--input_file={shakespeare}",
               "--dataset=target", "--max_iters=8", "--eval_interval=4", "--eval_iters=2", "--batch_size=4", "--log_interval=1"]
-    start = [f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", "--lora" if lora else "--no-lora"]
+    start = [f"--init_from={tmp_path / 'pre' / 'ckpt.pt'}", *(["--lora", "--lora_dropout=0.1"] if lora else ["--no-lora"])]
 
     def losses(out):
         return {r["iter"]: r["loss"] for r in map(json.loads, open(tmp_path / out / "log.jsonl")) if "loss" in r}
@@ -359,3 +359,52 @@ def test_dropout_and_activation_checkpointing_reach_the_fine_tuned_model(tmp_pat
     base, _ = checkpoints.load_model(str(path), dropout=0.2, checkpoint=True)
     model = lora.at_depth(base, 4, str(path))
     assert (model.cfg.dropout, model.cfg.checkpoint, model.cfg.n_layer) == (0.2, True, 4)
+
+
+def test_resuming_a_pretraining_run_as_a_fine_tuning_says_what_it_is_first(tmp_path, capsys, monkeypatch):
+    """finetune.py --init_from=resume on a pretraining run's folder (trained on shakespeare) first said to
+    resume it with --dataset=shakespeare, and only with that, that it is no fine-tuning run."""
+    from test_faults import one_line
+    from test_sample import byte_model
+    out = tmp_path / "pre"
+    model = byte_model()
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=model.cfg.to_dict(), model=model.state_dict(),
+                          tokenizer="byte", train_config=dict(dataset="shakespeare")), str(out / "ckpt.pt"))
+    monkeypatch.setattr(common, "prepare_data", lambda *a: pytest.fail("work began"))
+    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
+    for dataset in ([], ["--dataset=shakespeare"]):  # the default's wikitext2_test, and the run's own
+        line = one_line(finetune.main, ["--init_from=resume", f"--out_dir={out}", *dataset], capsys, monkeypatch)
+        assert line == f"error: {out} holds a pretraining run, not a fine-tuning run: resume it with train.py"
+    assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "ckpt.pt"]  # the run's lock, taken to read it
+
+
+@pytest.mark.parametrize("argv", [["--n_embd=64"], ["--n_embd=48"], ["--n_head=5"], ["--n_embd=64", "--n_layer=3"]])
+def test_a_shape_flag_is_refused_before_a_config_is_built_from_it(tmp_path, capsys, monkeypatch, argv):
+    """--n_embd=64 on a 2-head checkpoint said "n_head=12 does not divide n_embd=64": the dataclass's default
+    head count, which the user never set; the intended line came only for widths that 12 divides (48). With
+    --merge, the line of --merge."""
+    from test_faults import one_line
+    monkeypatch.setattr(common, "setup", lambda *a: pytest.fail("work began"))
+    monkeypatch.chdir(tmp_path)
+    flag = "n_layer" if "--n_layer=3" in argv else argv[0][2:].split("=")[0]
+    assert one_line(finetune.main, ["--init_from=base.pt", *argv], capsys, monkeypatch) == (
+        "error: --n_layer: the fine-tuned depth is --steps N (the layers of the materialised ODE)"
+        if flag == "n_layer" else f"error: --{flag}: the model's shape comes from the checkpoint; fine-tuning "
+                                  f"may set only --dropout, --checkpoint and --steps")
+    line = one_line(finetune.main, ["--merge=adapters.pt", *argv], capsys, monkeypatch)
+    assert line.startswith("error: --merge folds adapters into their base") and "it would ignore --n_" in line
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flags", [["--lora_targets=foo"], ["--lora_rank=4", "--lora_alpha=8"], ["--lora_dropout=0.1"]])
+def test_the_lora_flags_beside_no_lora_are_refused(tmp_path, capsys, monkeypatch, flags):
+    """--no-lora fine-tuned every weight and ignored the LoRA flags without a word, an invalid
+    --lora_targets=foo included."""
+    from test_faults import one_line
+    monkeypatch.setattr(common, "setup", lambda *a: pytest.fail("work began"))
+    monkeypatch.chdir(tmp_path)
+    line = one_line(finetune.main, ["--init_from=base.pt", "--no-lora", *flags], capsys, monkeypatch)
+    ignored = ", ".join(sorted(flag.split("=")[0] for flag in flags))
+    assert line == f"error: --no-lora fine-tunes every weight, with no adapters: it would ignore {ignored}; " \
+                   f"leave them out, or fine-tune with LoRA (--lora)"
+    assert os.listdir(tmp_path) == []

@@ -96,6 +96,28 @@ def test_missing_files_are_clear_errors(tmp_path):
         load_meta(str(tmp_path))
 
 
+@pytest.mark.parametrize("kind", ["folder", "named pipe"])
+@pytest.mark.parametrize("flag", ["input_file", "val_file"])
+def test_an_input_file_that_is_a_folder_or_a_pipe_says_so_before_any_work(tmp_path, capsys,
+                                                                          monkeypatch, kind, flag):
+    """--input_file naming a folder or a named pipe said "does not exist" of a path that does."""
+    import prepare as module
+    from test_faults import one_line
+    for work in ("get_tokenizer", "read_files"):
+        monkeypatch.setattr(module, work, lambda *a: pytest.fail("work began"))
+    path = tmp_path / "in"
+    path.mkdir() if kind == "folder" else os.mkfifo(path)
+    text = write(tmp_path / "a.txt", TEXT)
+    files = {"input_file": path, "val_file": path} if flag == "input_file" else \
+        {"input_file": text, "val_file": path}
+    argv = ["--dataset=x", f"--data_root={tmp_path / 'data'}", *(f"--{k}={v}" for k, v in files.items())]
+    assert one_line(main, argv, capsys, monkeypatch) == (
+        f"error: input file {path} is a folder: name the text files in it" if kind == "folder" else
+        f"error: input file {path} is not a regular file (a named pipe or a device): save the text "
+        f"into a file and name that")
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "in"]
+
+
 def test_unknown_tokenizer_and_dataset_name_the_choices(tmp_path):
     with pytest.raises(UserError, match="unknown tokenizer 'bpe'; use 'byte' or a tiktoken encoding: .*gpt2"):
         get_tokenizer("bpe")

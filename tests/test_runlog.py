@@ -227,6 +227,20 @@ def test_a_resumed_run_with_nothing_left_says_so(tmp_path, capsys):
         capsys.readouterr().out
 
 
+@pytest.mark.parametrize("stop_at", [99, 100])
+def test_a_run_that_stops_before_its_warm_up_ends_says_how_long_it_is(tmp_path, capsys, stop_at):
+    """A warm-up longer than the run (--max_iters=1e23 warmed up over 1e21 iterations at a learning rate of
+    5e-21, without a word) is said with its length. Its last iteration, 99 of 100, runs at the peak: a run
+    that trains it (stop_at=100) says nothing."""
+    run = make_run(tmp_path, max_iters=10000, stop_at=stop_at, learning_rate=6e-4)
+    with run:
+        run.iterations()
+    note = ("note: the warm-up takes 100 iterations (warmup_frac=0.01 of max_iters=10,000); this run stops at 99 "
+            "(stop_at), before the learning rate reaches 0.0006\n")
+    reached = train.learning_rate(stop_at - 1, run.cfg) == run.cfg.learning_rate  # the last it trains
+    assert capsys.readouterr().out == ("" if reached else note) and reached == (stop_at == 100)
+
+
 class Recorder:
     """wandb (the module and its run) and TensorBoard's SummaryWriter, faked: every call recorded."""
 

@@ -644,3 +644,27 @@ def test_script_errors_are_one_line(args, message):
 def test_help_lists_the_keys():
     done = subprocess.run([sys.executable, "sample.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and "--init_from='out/ckpt.pt'" in done.stdout and "--top_p=1.0" in done.stdout
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_sample_under_torchrun_runs_in_one_process_or_is_refused(world, capsys, monkeypatch):
+    """`torchrun --nproc_per_node=2 sample.py` printed every sample once per process: several processes are
+    refused in one line (rank 0's) before any work; torchrun's one process runs."""
+    import common
+    from test_faults import one_line
+
+    class Began(Exception):
+        pass
+
+    def began(*args):
+        raise Began
+    monkeypatch.setattr(common, "setup", began)
+    for key, value in dict(WORLD_SIZE=world, RANK="0", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    if world == "1":
+        with pytest.raises(Began):
+            sample.main([])
+        return
+    assert one_line(sample.main, [], capsys, monkeypatch) == (
+        "error: sample.py runs in one process: start it with python, not torchrun (each of the 2 processes "
+        "would print all of its output)")

@@ -64,6 +64,21 @@ def test_a_bad_flag_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, f
     assert line.startswith(message) and os.listdir(tmp_path) == []
 
 
+def test_the_seeds_take_every_scripts_seed_rule(tmp_path, capsys, monkeypatch):
+    """--seeds=0 was refused ("within 1..2147483648") where every script's --seed is 0..2^32-1: one
+    rule, at both of its ends."""
+    for accepted in ("0", "0-2", "4294967295"):
+        seeds.SeedsConfig(seeds=accepted)
+    for work in ("initial_weights", "run"):
+        monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
+    argv = ["--seeds=4294967295-4294967296", f"--runs={tmp_path / 'runs'}",
+            f"--out={tmp_path / 's.json'}"]
+    assert one_line(seeds.main, argv, capsys, monkeypatch) == \
+        "error: seeds='4294967295-4294967296': use a whole number or a range like 3-9 within " \
+        "0..4294967295"
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     """The tests run as root, who may write anywhere: a read-only file system's error is
     injected."""

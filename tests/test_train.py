@@ -19,7 +19,7 @@ import common
 import runlog
 import train
 from scale import memory, parallel
-from configurator import ConfigError, UserError, parse_config
+from configurator import ConfigError, UserError, coerce, parse_config
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, no_work, tokenizer_or_skip, without_work
@@ -117,6 +117,48 @@ def test_configurator_errors_are_one_clear_line(argv, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("script,flag", [("train", "max_iters"), ("train", "eval_iters"), ("sample", "num_samples"),
+                                         ("analyze", "top"), ("experiments.eval", "batch_size")])
+def test_every_whole_number_is_at_most_2_31_minus_1_in_every_script(script, flag, tmp_path, capsys,
+                                                                   monkeypatch):
+    """--max_iters=99999999999999999999999 was accepted: a warm-up of 1e21 iterations at a learning rate of
+    5e-21, and nothing trained without a word. Every whole number but a seed is at most 2^31 - 1 (which keeps
+    train.py's iterations below EVAL_ITERATION = 2^31), in a flag or a config file; the bound is accepted."""
+    import importlib
+    from test_faults import one_line
+    main = importlib.import_module(script).main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train.common, "setup", lambda *a: pytest.fail("work began"))
+    for value in (2 ** 31, 10 ** 23, -2 ** 31):
+        assert one_line(main, ["--spectral"] * (script == "analyze") + [f"--{flag}={value}"], capsys,
+                        monkeypatch) == (f"error: --{flag}={value} is past 2,147,483,647 (2^31 - 1), the most that "
+                                         f"any count of this project takes: give a smaller number")
+    (tmp_path / "c.py").write_text(f"# a config file\n{flag} = 2 ** 31\n")
+    line = one_line(main, ["c.py", "--spectral"] if script == "analyze" else ["c.py"], capsys, monkeypatch)
+    assert line.startswith(f"error: c.py, line 2: {flag}=2147483648 is past 2,147,483,647")
+    assert os.listdir(tmp_path) == ["c.py"]
+    assert coerce(flag, str(2 ** 31 - 1), int) == 2 ** 31 - 1  # the bound itself
+
+
+def test_a_bad_value_in_a_config_file_names_the_file_and_its_line(tmp_path):
+    """`learning_rate = "fast"` in a config file was reported as a flag, `--learning_rate expects float`,
+    naming neither the file nor its line; an included file is named by its own path, and the command line
+    still names the flag."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "base.py").write_text("steps = 3\nlr = 'fast'\n")
+    (tmp_path / "top.py").write_text("# mine\nsteps = 4\ninclude('sub/base.py')\n")
+    (tmp_path / "last.py").write_text("include('sub/base.py')\nlr = float('inf')\n")
+    for file, message in (("sub/base.py", f"{tmp_path / 'sub' / 'base.py'}, line 2: lr expects float, got 'fast'"),
+                          ("top.py", f"{tmp_path / 'sub' / 'base.py'}, line 2: lr expects float, got 'fast'"),
+                          ("last.py", f"{tmp_path / 'last.py'}, line 2: lr must be a finite number, got inf")):
+        with pytest.raises(ConfigError) as e:
+            parse_config([str(tmp_path / file)], Opts)
+        assert str(e.value) == message
+    with pytest.raises(ConfigError, match="^--lr expects float, got 'fast'$"):
+        parse_config([str(tmp_path / "top.py"), "--lr=fast"], Opts)
+    assert parse_config([str(tmp_path / "top.py"), "--lr=0.5"], Opts)[0].steps == 3
+
+
 def test_a_spaced_bool_value_is_read_in_any_case():
     """`--compile False`, as a user types it, is False: the value after a bool flag is read in any
     case, as `--compile=False` is (a capitalised False must not turn the flag on)."""
@@ -129,8 +171,8 @@ def test_a_spaced_bool_value_is_read_in_any_case():
 def test_a_bool_is_not_a_number(tmp_path):
     """Python's True is an int, so `learning_rate = True` in a config file would train at 1.0: a
     bool is refused where a number is expected, as on the command line."""
-    for line, message in (("lr = True", "--lr expects float, got True"),
-                          ("steps = False", "--steps expects int, got False")):
+    for line, message in (("lr = True", "c.py, line 1: lr expects float, got True"),
+                          ("steps = False", "c.py, line 1: steps expects int, got False")):
         (tmp_path / "c.py").write_text(line + "\n")
         with pytest.raises(ConfigError, match=message):
             parse_config([str(tmp_path / "c.py")], Opts)
