@@ -17,7 +17,11 @@ weights are model.safetensors as the project writes them. As transformers' GPT-2
   window), and a GPT-flavour token gets the logits of its last block_size tokens read afresh at
   positions 0..block_size-1 (its learned positions end there): sample.py's decoding, token for
   token. That window moves with every token, so such a model generates past its context without
-  the cache.
+  the cache;
+* the linears of a model that holds its blocks as parameters (GPT, Llama, shared, materialised)
+  are called as modules, so that peft's LoRA, quantize_dynamic and forward hooks work on them as
+  on transformers' own classes; a DiffEqFormer generates its block weights (peft can adapt its
+  time MLPs).
 """
 import os
 import shutil
@@ -38,8 +42,9 @@ WINDOWS_PER_PASS = 64  # GPT-flavour tokens past the context re-read per pass (b
 
 class DiffEqFormerCache(DynamicCache):
     """transformers' DynamicCache with a layer for each evaluation of F (added as it is first
-    written), and the block weights of every evaluation, made at a generation's first pass and
-    kept, as sample.py keeps them: an ODE's hypernetwork runs once per generation, not per token."""
+    written), and a diffeq model's block weights of every evaluation, made at a generation's first
+    pass and kept, as sample.py keeps them: its hypernetwork runs once per generation, not per
+    token."""
 
     def __init__(self):
         super().__init__()
@@ -92,8 +97,16 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                     f"{w.abs().max().item():.2g}) add up past float32's range"))
         return model
 
-    def get_input_embeddings(self):  # (transformers' tools that feed or adapt the embeddings)
+    # the embeddings and the head, for transformers' tools and peft: peft's
+    # target_modules="all-linear" leaves the head out, as it does in any causal LM
+    def get_input_embeddings(self):
         return self.model.wte
+
+    def get_output_embeddings(self):
+        return self.model.lm_head  # the Llama flavour's; None for the GPT flavour's (wte, tied)
+
+    def set_output_embeddings(self, head):
+        self.model.lm_head = head
 
     @property
     def gradient_checkpointing(self):
@@ -183,8 +196,12 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def step_weights(self, cache, steps, solver):
-        """The block weights of every evaluation of F: a DiffEqFormerCache's, made once per
-        generation (without gradients), else made for this pass."""
+        """A diffeq model's block weights of every evaluation of F: a DiffEqFormerCache's, made once
+        per generation (without gradients), else made for this pass. None for the kinds that hold
+        their blocks as modules: model.py calls their linears, so that what wraps or replaces one
+        (peft's LoRA, quantize_dynamic's Linear, a forward hook) takes part."""
+        if self.model.cfg.model_type != "diffeq":
+            return None
         if not isinstance(cache, DiffEqFormerCache) or torch.is_grad_enabled():
             return self.model.step_weights(steps, solver)
         if cache.weights is None:
@@ -202,7 +219,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         block_size of them (a sliding window), at most block_size new tokens per pass (model.py's
         bound on tokens fed through caches)."""
         L, T, device = self.model.cfg.block_size, input_ids.size(1), input_ids.device
-        caches = [Evaluation(cache, j) for j in range(len(weights))]
+        caches = [Evaluation(cache, j) for j in range(self.config.num_hidden_layers)]  # one each
         past, logits = cache.get_seq_length(), []
         for start in range(0, T, L):
             end = past + min(start + L, T)

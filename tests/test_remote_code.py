@@ -542,6 +542,79 @@ def test_bad_arguments_are_one_line(exported):
         theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
 
 
+# -- transformers' tools on every kind: peft, quantizers, hooks, resize, sdpa, arguments (issue 48) ---
+
+def lora_trained(folder, targets, tmp_path, **config):
+    """A peft LoRA model of the folder, trained 3 steps by transformers' Trainer (lr 1e-2), with
+    (lora_B before, the peft model)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(auto(folder), peft.LoraConfig(r=4, target_modules=targets, **config))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    rows = torch.randint(0, TINY["vocab_size"], (8, 12), generator=torch.Generator().manual_seed(12))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0)
+    transformers.Trainer(model=model, args=args, train_dataset=[dict(input_ids=r, labels=r) for r in rows]).train()
+    return before, model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "shared", "materialized"])
+def test_peft_lora_on_a_blocks_linears_trains_and_merges(kind, exported, tmp_path):
+    """peft LoRA on the block linears of a kind that holds them as modules, through the Trainer, with
+    another trainable module beside (modules_to_save): its adapters move, the peft model's logits
+    are the base model's plus theirs, and merge_and_unload() gives the peft model's logits."""
+    names = ["attn", "proj", "down"] if kind == "llama" else ["attn", "proj", "fc2"]
+    before, model = lora_trained(exported[kind], names, tmp_path, modules_to_save=["ln_f"])
+    moved = [(p.detach() - before[n]).abs().max() for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(moved) == len(names) * (1 if kind == "shared" else auto(exported[kind]).model.cfg.n_layer)
+    assert min(moved) > 1e-3  # every adapter trained
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        adapted = model(idx).logits
+        with model.disable_adapter():
+            assert (model(idx).logits - adapted).abs().max() > 1e-3  # the adapters reach the logits
+        torch.testing.assert_close(model.merge_and_unload()(idx).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_all_linear_leaves_the_llama_head_out(exported):
+    """target_modules="all-linear" (the recipe of docs/export.md) wraps every block linear of a
+    Llama-flavour model and not its head, as in LlamaForCausalLM (peft leaves out what
+    get_output_embeddings names); merged, the logits are the peft model's."""
+    peft = pytest.importorskip("peft")
+    theirs = auto(exported["llama"])
+    assert theirs.get_output_embeddings() is theirs.model.lm_head and auto(exported["gpt"]).get_output_embeddings() is None
+    torch.manual_seed(0)
+    model = peft.get_peft_model(theirs, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    assert sorted({n.split(".")[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}) == \
+        ["attn", "down", "gate", "proj", "up"]
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        adapted = model(idx).logits
+        torch.testing.assert_close(model.merge_and_unload()(idx).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("kind", ["diffeq", "shared", "gpt", "llama", "materialized"])
+def test_quantize_dynamic_and_forward_hooks_reach_every_linear(kind, exported):
+    """Every nn.Linear of a model is called, so a forward hook on each fires, and
+    torch.ao.quantization.quantize_dynamic's int8 Linear replaces each (the block linears, the Llama
+    head, the time MLPs) and runs: logits near the float model's, not equal to them."""
+    theirs = auto(exported[kind])
+    linears = {name: m for name, m in theirs.named_modules() if isinstance(m, torch.nn.Linear)}
+    called = set()
+    for name, m in linears.items():
+        m.register_forward_hook(lambda m, args, out, name=name: called.add(name))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        logits = theirs(idx).logits
+        assert called == set(linears)
+        quantized = torch.ao.quantization.quantize_dynamic(theirs, {torch.nn.Linear}, dtype=torch.qint8)
+        assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+        difference = (quantized(idx).logits - logits).abs().max()
+    assert 0 < difference < 0.1
+
+
 # -- the folder's card and lm-eval's command ------------------------------------------------------
 
 def code_blocks(card, language):
