@@ -526,8 +526,8 @@ def test_save_pretrained_passes_transformers_arguments_on(exported, tmp_path):
 def test_bad_arguments_are_one_line(exported):
     theirs = auto(exported["gpt"])
     idx = torch.randint(0, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(9))
-    with pytest.raises(ValueError, match="counts positions from attention_mask: pass no position_ids"):
-        theirs(idx, position_ids=torch.arange(8)[None])
+    with pytest.raises(ValueError, match=r"^position_ids disagree with attention_mask: .* \(no packed sequences\)"):
+        theirs(idx, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))  # two sequences packed
     with pytest.raises(ValueError, match=r"attention_mask is \(1, 5\): 0 cached and 8 new tokens need \(1, 8\)"):
         theirs(idx, attention_mask=torch.ones(1, 5))
     for name in ("output_hidden_states", "output_attentions"):  # refused, not None without a word
@@ -613,6 +613,82 @@ def test_quantize_dynamic_and_forward_hooks_reach_every_linear(kind, exported):
         assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
         difference = (quantized(idx).logits - logits).abs().max()
     assert 0 < difference < 0.1
+
+
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_a_left_padded_batch_scores_one_loss_with_the_cache_or_without(kind, exported):
+    """A left-padded batch with labels: eval() (through the cache), use_cache=False and train()
+    (recomputed) give the same logits, the pads' included (a pad before every real token: its own,
+    alone at position 0), and so one loss, as LlamaForCausalLM gives one."""
+    theirs = auto(exported[kind])
+    g = torch.Generator().manual_seed(16)
+    ids, mask = padded([torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in (12, 7, 3)], "left")
+    with torch.no_grad():
+        cached = theirs(ids, attention_mask=mask, labels=ids)
+        recomputed = theirs(ids, attention_mask=mask, labels=ids, use_cache=False)
+        trained = theirs.train()(ids, attention_mask=mask, labels=ids)
+        alone = theirs.model(torch.zeros(1, 1, dtype=torch.long))[0][0, 0]  # the pad, id 0
+    assert cached.cache is not None and recomputed.cache is None and trained.cache is None
+    torch.testing.assert_close(recomputed.logits, cached.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(trained.logits, cached.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached.logits[2, :9], alone.expand(9, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(recomputed.loss, cached.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(trained.loss, cached.loss, rtol=1e-6, atol=1e-6)
+
+
+def test_return_dict_false_gives_a_tuple_and_inputs_embeds_is_one_line(exported):
+    """return_dict=False (given, or in the config): (loss, logits), those of the output, as
+    transformers' models give; inputs_embeds, alone or with input_ids, is refused in one line."""
+    theirs = auto(exported["gpt"]).train()  # (training keeps no cache: the tuple is (loss, logits))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(17))
+    out = theirs(idx, labels=idx)
+    loss, logits = theirs(idx, labels=idx, return_dict=False)
+    assert torch.equal(loss, out.loss) and torch.equal(logits, out.logits)
+    theirs.config.return_dict = False
+    assert isinstance(theirs(idx), tuple) and isinstance(theirs(idx, return_dict=True).logits, torch.Tensor)
+    embeddings = theirs.get_input_embeddings()(idx)
+    for args in (dict(input_ids=idx, inputs_embeds=embeddings), dict(inputs_embeds=embeddings)):
+        with pytest.raises(ValueError, match=r"^DiffEqFormer reads input_ids, not inputs_embeds .*: pass input_ids alone$"):
+            theirs(**args)
+
+
+def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_path):  # noqa: F811
+    """position_ids as transformers makes them (the mask's count, 0 at pads; continuing a cache)
+    give the logits without them, and the folder runs as assistant_model of its own --format=hf
+    twin (transformers passes the draft model position_ids): the target's greedy tokens."""
+    theirs = auto(exported["llama"])
+    g = torch.Generator().manual_seed(20)
+    ids, mask = padded([torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in (10, 6)], "left")
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        expected = theirs(ids, attention_mask=mask).logits
+        torch.testing.assert_close(theirs(ids, attention_mask=mask, position_ids=positions).logits, expected,
+                                   rtol=0, atol=0)
+        cache = theirs(ids[:1, :6]).cache  # then 4 more tokens at positions 6..9
+        continued = theirs(ids[:1, 6:], cache=cache, position_ids=torch.arange(6, 10)[None]).logits
+        torch.testing.assert_close(continued, expected[:1, 6:], rtol=1e-5, atol=1e-5)
+        export.export(saved["llama"], str(tmp_path / "twin"), "hf")
+        target = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "twin")
+        prompt = ids[:1]
+        greedy = target.generate(prompt, max_new_tokens=10, do_sample=False)
+        assert torch.equal(target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=theirs), greedy)
+
+
+@pytest.mark.parametrize("kind, depth, accepted", [("gpt", dict(steps=12, solver="rk4"), False),
+                                                   ("materialized", dict(steps=5), False),
+                                                   ("materialized", dict(solver="midpoint"), False),
+                                                   ("materialized", dict(steps=4, solver="euler"), True)])
+def test_a_depth_a_fixed_layer_kind_cannot_run_is_refused_at_load(kind, depth, accepted, exported, monkeypatch):
+    """steps and solver given to from_pretrained of a model with fixed layers: its own depth (n_layer
+    Euler steps: 4 for the materialised model) loads, any other is refused in one line before a weight
+    is read, not at the first forward pass (save_pretrained would write a folder nothing runs)."""
+    if accepted:
+        assert auto(exported[kind], **depth)(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+        return
+    monkeypatch.setattr(transformers.PreTrainedModel, "_load_pretrained_model",
+                        classmethod(lambda *a, **k: pytest.fail("weights read")))
+    with pytest.raises(ValueError, match=r"^a \w+ \(gpt\) model has \d fixed layers and runs them with euler only"):
+        auto(exported[kind], **depth)
 
 
 # -- the folder's card and lm-eval's command ------------------------------------------------------
