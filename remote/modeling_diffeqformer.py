@@ -69,6 +69,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"  # model.safetensors names the weights as DiffEqFormer does
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True  # model.py's own (gradient_checkpointing, below)
+    _supports_sdpa = True  # attn_implementation="sdpa": model.py attends with that function alone
 
     def __init__(self, config):
         super().__init__(config)
@@ -79,11 +80,17 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _init_weights(self, module):
         """The weights of `module` that the folder lacks (transformers calls them "newly
-        initialized"), as model.py initialises them; the loaded ones are left as they are."""
-        missing = {id(p) for p in module.parameters(recurse=False)
-                   if not getattr(p, "_is_hf_initialized", False)}
-        if missing:
-            self.model.init_weights(local=lambda p: (p, 0) if id(p) in missing else (p[:0], 0))
+        initialized"), as model.py initialises them; the loaded ones are left as they are. A module
+        not in the model yet (resize_token_embeddings' with mean_resizing=False): N(0, 0.02), as
+        model.py draws an embedding or a head."""
+        missing = [p for p in module.parameters(recurse=False)
+                   if not getattr(p, "_is_hf_initialized", False)]
+        if missing and not any(m is module for m in self.model.modules()):
+            for p in missing:
+                torch.nn.init.normal_(p, 0.0, 0.02)
+        elif missing:
+            ids = {id(p) for p in missing}
+            self.model.init_weights(local=lambda p: (p, 0) if id(p) in ids else (p[:0], 0))
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -100,16 +107,30 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                     f"{w.abs().max().item():.2g}) add up past float32's range"))
         return model
 
-    # the embeddings and the head, for transformers' tools and peft: peft's
-    # target_modules="all-linear" leaves the head out, as it does in any causal LM
+    # the embeddings and the head, for transformers' tools and peft: resize_token_embeddings resizes
+    # both; peft's target_modules="all-linear" leaves the head out, as it does in any causal LM
     def get_input_embeddings(self):
         return self.model.wte
+
+    def set_input_embeddings(self, embeddings):
+        self.model.wte = embeddings
 
     def get_output_embeddings(self):
         return self.model.lm_head  # the Llama flavour's; None for the GPT flavour's (wte, tied)
 
     def set_output_embeddings(self, head):
         self.model.lm_head = head
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, **kwargs):
+        """transformers' resize, and model.py's config with it (config.json's model_config, which
+        every loader reads): new_num_tokens tokens, the only logits above -inf where
+        pad_to_multiple_of adds rows (tokenizer_vocab, as the project pads GPT-2's vocabulary)."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, **kwargs)
+        cfg, rows = self.model.cfg, embeddings.num_embeddings
+        tokens = new_num_tokens or cfg.tokenizer_vocab or cfg.vocab_size
+        cfg.vocab_size, cfg.tokenizer_vocab = rows, tokens if tokens < rows else 0
+        self.config.model_config.update(vocab_size=rows, tokenizer_vocab=cfg.tokenizer_vocab)
+        return embeddings
 
     @property
     def gradient_checkpointing(self):

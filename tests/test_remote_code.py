@@ -652,6 +652,50 @@ def test_return_dict_false_gives_a_tuple_and_inputs_embeds_is_one_line(exported)
             theirs(**args)
 
 
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_resize_token_embeddings_resizes_and_the_folder_loads_everywhere(kind, saved, exported, tmp_path, capsys):  # noqa: F811
+    """resize_token_embeddings(100) (a tokenizer with 4 tokens more): the embeddings, the Llama head
+    and model.py's config resized, the old tokens' logits unchanged; saved, the folder loads in
+    transformers, checkpoints.load_model, sample.py and export.py with the same logits. With
+    pad_to_multiple_of the padded rows never get probability; mean_resizing=False draws the new
+    rows as model.py draws an embedding (std 0.02)."""
+    theirs = auto(exported[kind])
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(18))
+    with torch.no_grad():
+        before = theirs(idx).logits
+        theirs.resize_token_embeddings(100)
+        idx[0, 3] = 99  # a new token
+        logits = theirs(idx).logits
+    assert logits.shape == (2, 12, 100) and theirs.model.cfg.vocab_size == theirs.config.vocab_size == 100
+    assert theirs.model.wte.weight.shape[0] == 100 and (kind == "diffeq" or theirs.model.lm_head.weight.shape[0] == 100)
+    torch.testing.assert_close(logits[1, :, :96], before[1], rtol=0, atol=0)
+    theirs.save_pretrained(tmp_path / "resized")
+    export.export(str(tmp_path / "resized"), str(tmp_path / "again"))
+    with torch.no_grad():
+        for folder in (tmp_path / "resized", tmp_path / "again"):
+            assert torch.equal(auto(folder)(idx).logits, logits)
+            assert torch.equal(checkpoints.load_model(str(folder))[0](idx)[0], logits)
+    sample.main([f"--init_from={tmp_path / 'resized'}", "--max_new_tokens=3", "--num_samples=1", "--start=!"])
+    assert f"{tmp_path / 'resized'}: {theirs.model.cfg.model_type}" in capsys.readouterr().err
+    padded_rows = auto(exported[kind])
+    padded_rows.resize_token_embeddings(100, pad_to_multiple_of=64, mean_resizing=False)
+    assert padded_rows.model.cfg.tokenizer_vocab == 100 and padded_rows.config.model_config["vocab_size"] == 128
+    with torch.no_grad():
+        wide = padded_rows(idx).logits
+    assert wide.shape[-1] == 128 and wide[..., 100:].eq(-float("inf")).all() and wide[..., :100].isfinite().all()
+    assert abs(padded_rows.model.wte.weight[96:].std().item() - 0.02) < 0.003
+
+
+def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
+    """attn_implementation="sdpa" loads (model.py attends with scaled_dot_product_attention) and
+    gives the logits of a plain load."""
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(19))
+    theirs = auto(exported["diffeq"], attn_implementation="sdpa")
+    assert theirs.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(theirs(idx).logits, auto(exported["diffeq"])(idx).logits)
+
+
 def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_path):  # noqa: F811
     """position_ids as transformers makes them (the mask's count, 0 at pads; continuing a cache)
     give the logits without them, and the folder runs as assistant_model of its own --format=hf
