@@ -577,17 +577,18 @@ def test_peft_lora_on_a_blocks_linears_trains_and_merges(kind, exported, tmp_pat
         torch.testing.assert_close(model.merge_and_unload()(idx).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
-def test_peft_all_linear_leaves_the_llama_head_out(exported):
+@pytest.mark.parametrize("kind, wrapped", [("llama", ["attn", "down", "gate", "proj", "up"]), ("diffeq", ["L1", "L2"])])
+def test_peft_all_linear_leaves_the_llama_head_out(kind, wrapped, exported):
     """target_modules="all-linear" (the recipe of docs/export.md) wraps every block linear of a
     Llama-flavour model and not its head, as in LlamaForCausalLM (peft leaves out what
-    get_output_embeddings names); merged, the logits are the peft model's."""
+    get_output_embeddings names), and a DiffEqFormer's time MLPs; merged, the logits are the peft
+    model's."""
     peft = pytest.importorskip("peft")
-    theirs = auto(exported["llama"])
+    theirs = auto(exported[kind])
     assert theirs.get_output_embeddings() is theirs.model.lm_head and auto(exported["gpt"]).get_output_embeddings() is None
     torch.manual_seed(0)
     model = peft.get_peft_model(theirs, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
-    assert sorted({n.split(".")[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}) == \
-        ["attn", "down", "gate", "proj", "up"]
+    assert sorted({n.split(".")[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}) == wrapped
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(14))
     with torch.no_grad():
         adapted = model(idx).logits
@@ -687,13 +688,15 @@ def test_resize_token_embeddings_resizes_and_the_folder_loads_everywhere(kind, s
 
 
 def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
-    """attn_implementation="sdpa" loads (model.py attends with scaled_dot_product_attention) and
-    gives the logits of a plain load."""
+    """attn_implementation="sdpa" loads (model.py attends with scaled_dot_product_attention), as
+    "eager" does, and both give the logits of a plain load."""
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(19))
-    theirs = auto(exported["diffeq"], attn_implementation="sdpa")
-    assert theirs.config._attn_implementation == "sdpa"
     with torch.no_grad():
-        assert torch.equal(theirs(idx).logits, auto(exported["diffeq"])(idx).logits)
+        expected = auto(exported["diffeq"])(idx).logits
+        for implementation in ("sdpa", "eager"):
+            theirs = auto(exported["diffeq"], attn_implementation=implementation)
+            assert theirs.config._attn_implementation == implementation
+            assert torch.equal(theirs(idx).logits, expected)
 
 
 def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_path):  # noqa: F811
