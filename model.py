@@ -561,10 +561,9 @@ class DiffEqFormer(nn.Module):
             for j, module in enumerate(self.layers):  # weights made beforehand (sample.py: cast)
                 x = run(module, x, j) if weights is None else run(layer, x, j, weights[j])
             return x
-        W = weights  # W[j]: evaluation j's; else the shared block (its linears called), or W(t_j)
-        if W is None:
-            W = [self.block.applied()] * n if cfg.model_type == "shared" else \
-                self.step_weights(steps, solver)
+        if weights is None and cfg.model_type == "shared":  # its linears called (see `linear`)
+            weights = [self.block.applied()] * n
+        W = self.step_weights(steps, solver) if weights is None else weights  # W[j]: evaluation j's
 
         def f(x, j):  # F(x, t_j), evaluation j of the vector field (METHOD 1)
             return run(vector_field, x, j, W[j])
