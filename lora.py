@@ -7,9 +7,9 @@ computes exactly what it computed before.
     lora_state_dict(model)                 # the adapters alone, for adapters.pt
     merge_lora(model)                      # fold B A into W: ordinary nn.Linear layers again
 
-The blocks read weights, not inputs (model.py calls F.linear with the weight), so LoRA dropout acts
-on the weight's low-rank path: it drops whole input columns of A, as dropout on the input of that
-path would. An adapters file names its base checkpoint and its sha256; checkpoints.load_model
+LoRA lives in the weight, not around the layer (sample.py's cast copies and analyze.py read the
+weight itself), so LoRA dropout acts on the weight's low-rank path: it drops whole input columns of
+A, as dropout on the input of that path would. An adapters file names its base checkpoint and its sha256; checkpoints.load_model
 refuses a base that has changed.
 """
 import math

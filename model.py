@@ -124,8 +124,16 @@ def time_dtype(dtype):
 
 
 # --------------------------------------------------------------------------------------------------
-# The block maths, written once (METHOD 1). `w` maps a weight name to a (weight, bias) pair; the
-# weights are parameters (GPT, Llama, shared, materialised) or generated for one time t (diffeq).
+# The block maths, written once (METHOD 1). `w` maps a weight name to a (weight, bias) pair,
+# generated for one time t (diffeq) or made beforehand (sample.py's cast copies); a linear layer of
+# a block held as parameters (GPT, Llama, shared, materialised: Block) is the nn.Linear itself,
+# called, so that what wraps or replaces it (peft's LoRA, a quantized Linear, a forward hook) takes
+# part, as in any transformer. The norms are always (weight, bias) pairs.
+def linear(x, w):
+    """x W^T + b with w a (W, b) pair, or w(x) with w a module."""
+    return w(x) if isinstance(w, nn.Module) else F.linear(x, *w)
+
+
 def norm(x, weight, bias, flavor):
     """LayerNorm (biased variance) for GPT, RMSNorm for Llama. Generated gains come out of autocast
     in bf16, so they take the residual stream's dtype."""
@@ -160,7 +168,7 @@ def attention(x, w, cfg, rope, dropout, mask=None, kv=None):
     tokens. kv, with a KV cache, is (this evaluation's cache, the slots (T,) of x's tokens): their
     keys and values are written there and the queries attend to the whole cache (see Context)."""
     B, T, C = x.size()
-    q, k, v = F.linear(x, *w["attn"]).split(C, dim=2)
+    q, k, v = linear(x, w["attn"]).split(C, dim=2)
     q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))
     # q, k, v: (B, nh, T, hs)
     if rope is not None:
@@ -172,15 +180,15 @@ def attention(x, w, cfg, rope, dropout, mask=None, kv=None):
     p = dropout if cfg.model_type == "baseline" else 0.0
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
     y = y.transpose(1, 2).reshape(B, T, C)
-    return F.dropout(F.linear(y, *w["proj"]), dropout, dropout > 0)
+    return F.dropout(linear(y, w["proj"]), dropout, dropout > 0)
 
 
 def mlp(x, w, cfg, dropout):
     """Feed-forward M_t(Y): GPT-2's tanh-GELU MLP, or Llama's SwiGLU (METHOD 1)."""
     if cfg.flavor == "llama":
-        y = F.linear(F.silu(F.linear(x, *w["gate"])) * F.linear(x, *w["up"]), *w["down"])
+        y = linear(F.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
     else:
-        y = F.linear(F.gelu(F.linear(x, *w["fc"]), approximate="tanh"), *w["fc2"])
+        y = linear(F.gelu(linear(x, w["fc"]), approximate="tanh"), w["fc2"])
     return F.dropout(y, dropout, dropout > 0)
 
 
@@ -349,11 +357,19 @@ class Block(nn.Module):
             self.add_module(name, nn.Linear(d_in, d_out, bias=bias))
 
     def weights(self):
+        """{name: (weight, bias)}: the tensors, for what reads or copies them (sample.py's casts,
+        analyze.py, materialize)."""
         return {name: (m.weight, getattr(m, "bias", None)) for name, m in self.named_children()}
 
+    def applied(self):
+        """{name: the linear module, or a norm's (weight, bias)}: the block as the forward pass
+        applies it, calling its linears (whatever wraps or replaces one: see `linear`)."""
+        return {name: (m.weight, getattr(m, "bias", None)) if name.startswith("ln_") else m
+                for name, m in self.named_children()}
+
     def forward(self, x, cfg, rope, dropout, mask=None, kv=None):
-        """`layer` with these weights (a module call, so that FSDP2 gathers them first)"""
-        return layer(x, self.weights(), cfg, rope, dropout, mask, kv)
+        """`layer` of this block (a module call, so that FSDP2 gathers its weights first)"""
+        return layer(x, self.applied(), cfg, rope, dropout, mask, kv)
 
 
 def sliding_window_mask(pos, key_pos, window):
@@ -495,8 +511,8 @@ class DiffEqFormer(nn.Module):
         x = self.integrate(x, steps, solver, rope, dropout, weights, mask, ctx.caches, ctx.slots)
         if ctx.last:  # decoding: the next token needs the last position only
             x = x[:, -1:]
-        head = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.ln_f(x), head if ctx.head is None else ctx.head)  # (B, T, vocab)
+        head = self.lm_head if self.lm_head is not None else (self.wte.weight,)  # GPT: tied to wte
+        logits = linear(self.ln_f(x), head if ctx.head is None else (ctx.head,))  # (B, T, vocab)
         if cfg.tokenizer_vocab:  # padded rows past the tokenizer's tokens never get probability
             logits[..., cfg.tokenizer_vocab:] = float("-inf")
         loss = None
@@ -545,6 +561,8 @@ class DiffEqFormer(nn.Module):
             for j, module in enumerate(self.layers):  # weights made beforehand (sample.py: cast)
                 x = run(module, x, j) if weights is None else run(layer, x, j, weights[j])
             return x
+        if weights is None and cfg.model_type == "shared":  # its linears called (see `linear`)
+            weights = [self.block.applied()] * n
         W = self.step_weights(steps, solver) if weights is None else weights  # W[j]: evaluation j's
 
         def f(x, j):  # F(x, t_j), evaluation j of the vector field (METHOD 1)

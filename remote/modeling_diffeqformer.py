@@ -10,14 +10,18 @@ and Llama baselines, materialised and merged models): `self.model` is model.py's
 weights are model.safetensors as the project writes them. As transformers' GPT-2 and Llama do:
 
 * attention_mask marks a row's real tokens, padded on either side: no token attends to a pad, and
-  a token's position counts the real tokens before it (position_ids are the mask's, not taken);
+  a token's position counts the real tokens before it (position_ids, where given, must agree);
 * generate() keeps a KV cache, DiffEqFormerCache, with a layer for each evaluation of F (an ODE
   attends once per solver stage of every step): one position per new token;
 * past block_size a Llama-flavour token attends to the last block_size real tokens (a sliding
   window), and a GPT-flavour token gets the logits of its last block_size tokens read afresh at
   positions 0..block_size-1 (its learned positions end there): sample.py's decoding, token for
   token. That window moves with every token, so such a model generates past its context without
-  the cache.
+  the cache;
+* the linears of a model that holds its blocks as parameters (GPT, Llama, shared, materialised)
+  are called as modules, so that peft's LoRA, quantize_dynamic and forward hooks work on them as
+  on transformers' own classes; a DiffEqFormer generates its block weights (peft can adapt its
+  time MLPs).
 """
 import os
 import shutil
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_diffeqformer import DiffEqFormerConfig
@@ -38,8 +43,9 @@ WINDOWS_PER_PASS = 64  # GPT-flavour tokens past the context re-read per pass (b
 
 class DiffEqFormerCache(DynamicCache):
     """transformers' DynamicCache with a layer for each evaluation of F (added as it is first
-    written), and the block weights of every evaluation, made at a generation's first pass and
-    kept, as sample.py keeps them: an ODE's hypernetwork runs once per generation, not per token."""
+    written), and a diffeq model's block weights of every evaluation, made at a generation's first
+    pass and kept, as sample.py keeps them: its hypernetwork runs once per generation, not per
+    token."""
 
     def __init__(self):
         super().__init__()
@@ -63,19 +69,28 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"  # model.safetensors names the weights as DiffEqFormer does
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True  # model.py's own (gradient_checkpointing, below)
+    _supports_sdpa = True  # attn_implementation="sdpa": model.py attends with that function alone
 
     def __init__(self, config):
         super().__init__(config)
-        self.model = DiffEqFormer(ModelConfig(**config.model_config))
+        cfg = ModelConfig(**config.model_config)
+        cfg.depth(config.steps, config.solver)  # steps and solver it runs: refused here, at load
+        self.model = DiffEqFormer(cfg)
         self.post_init()  # transformers' bookkeeping (tied weights: none; the GPT head reads wte)
 
     def _init_weights(self, module):
         """The weights of `module` that the folder lacks (transformers calls them "newly
-        initialized"), as model.py initialises them; the loaded ones are left as they are."""
-        missing = {id(p) for p in module.parameters(recurse=False)
-                   if not getattr(p, "_is_hf_initialized", False)}
-        if missing:
-            self.model.init_weights(local=lambda p: (p, 0) if id(p) in missing else (p[:0], 0))
+        initialized"), as model.py initialises them; the loaded ones are left as they are. A module
+        not in the model yet (resize_token_embeddings' with mean_resizing=False): N(0, 0.02), as
+        model.py draws an embedding or a head."""
+        missing = [p for p in module.parameters(recurse=False)
+                   if not getattr(p, "_is_hf_initialized", False)]
+        if missing and not any(m is module for m in self.model.modules()):
+            for p in missing:
+                torch.nn.init.normal_(p, 0.0, 0.02)
+        elif missing:
+            ids = {id(p) for p in missing}
+            self.model.init_weights(local=lambda p: (p, 0) if id(p) in ids else (p[:0], 0))
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -92,8 +107,30 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                     f"{w.abs().max().item():.2g}) add up past float32's range"))
         return model
 
-    def get_input_embeddings(self):  # (transformers' tools that feed or adapt the embeddings)
+    # the embeddings and the head, for transformers' tools and peft: resize_token_embeddings resizes
+    # both; peft's target_modules="all-linear" leaves the head out, as it does in any causal LM
+    def get_input_embeddings(self):
         return self.model.wte
+
+    def set_input_embeddings(self, embeddings):
+        self.model.wte = embeddings
+
+    def get_output_embeddings(self):
+        return self.model.lm_head  # the Llama flavour's; None for the GPT flavour's (wte, tied)
+
+    def set_output_embeddings(self, head):
+        self.model.lm_head = head
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, **kwargs):
+        """transformers' resize, and model.py's config with it (config.json's model_config, which
+        every loader reads): new_num_tokens tokens, the only logits above -inf where
+        pad_to_multiple_of adds rows (tokenizer_vocab, as the project pads GPT-2's vocabulary)."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, **kwargs)
+        cfg, rows = self.model.cfg, embeddings.num_embeddings
+        tokens = new_num_tokens or cfg.tokenizer_vocab or cfg.vocab_size
+        cfg.vocab_size, cfg.tokenizer_vocab = rows, tokens if tokens < rows else 0
+        self.config.model_config.update(vocab_size=rows, tokenizer_vocab=cfg.tokenizer_vocab)
+        return embeddings
 
     @property
     def gradient_checkpointing(self):
@@ -124,18 +161,21 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if model_kwargs.get("cache") is None and generation_config.use_cache:
             model_kwargs["cache"] = DiffEqFormerCache()
 
+    @can_return_tuple  # return_dict=False: a tuple (loss, logits, cache; those given), as theirs
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
-                logits_to_keep=0, num_items_in_batch=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, cache=None, use_cache=None, labels=None,
+                logits_to_keep=0, num_items_in_batch=None, inputs_embeds=None, **kwargs):
         """Logits (B, T, vocab) of input_ids, and the mean cross-entropy of labels shifted by one
         (transformers' convention, -100 ignored); a pad's logits are those of the last real token
-        before it. With a cache, input_ids follow its tokens and attention_mask covers both.
-        logits_to_keep=k: the last k positions' logits (0: all). num_items_in_batch (the Trainer's
-        count of labels over the micro-batches it accumulates): the sum over tokens divided by it,
-        as transformers' causal LMs (ForCausalLMLoss) do."""
-        if kwargs.get("position_ids") is not None:
-            raise ValueError("DiffEqFormer counts positions from attention_mask: pass no "
-                             "position_ids")
+        before it, a pad before every real token its own (itself alone at position 0), with the
+        cache or without. With a cache, input_ids follow its tokens and attention_mask covers both;
+        position_ids, where given, must be the mask's. logits_to_keep=k: the last k positions'
+        logits (0: all). num_items_in_batch (the Trainer's count of labels over the micro-batches
+        it accumulates): the sum over tokens divided by it, as transformers' causal LMs
+        (ForCausalLMLoss) do."""
+        if input_ids is None or inputs_embeds is not None:
+            raise ValueError("DiffEqFormer reads input_ids, not inputs_embeds (model.py looks its "
+                             "tokens up in its own embeddings): pass input_ids alone")
         for name in ("output_hidden_states", "output_attentions"):  # (given, or in the config)
             if kwargs.get(name, getattr(self.config, name)):
                 raise ValueError(f"{name}=True: DiffEqFormer returns logits only (model.py keeps "
@@ -151,6 +191,12 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"attention_mask is {tuple(real.shape)}: {past} cached and {T} new "
                              f"tokens need ({B}, {past + T})")
         count = real.cumsum(-1)  # (B, S): a row's real tokens up to each token, itself included
+        position_ids = kwargs.get("position_ids")  # (not in the signature: generate makes none)
+        if position_ids is not None and not (position_ids.shape in ((1, T), (B, T)) and bool(
+                (position_ids == count[:, past:] - 1)[real[:, past:]].all())):  # (at real tokens)
+            raise ValueError("position_ids disagree with attention_mask: DiffEqFormer counts a "
+                             "token's position as the real tokens before it (no packed "
+                             "sequences); pass none, or those")
         if cfg.flavor == "gpt" and count[:, -1].max() > cfg.block_size:  # its window moves
             if past:
                 raise ValueError(f"past block_size={cfg.block_size} a GPT-flavour model re-reads "
@@ -183,8 +229,12 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def step_weights(self, cache, steps, solver):
-        """The block weights of every evaluation of F: a DiffEqFormerCache's, made once per
-        generation (without gradients), else made for this pass."""
+        """A diffeq model's block weights of every evaluation of F: a DiffEqFormerCache's, made once
+        per generation (without gradients), else made for this pass. None for the kinds that hold
+        their blocks as modules: model.py calls their linears, so that what wraps or replaces one
+        (peft's LoRA, quantize_dynamic's Linear, a forward hook) takes part."""
+        if self.model.cfg.model_type != "diffeq":
+            return None
         if not isinstance(cache, DiffEqFormerCache) or torch.is_grad_enabled():
             return self.model.step_weights(steps, solver)
         if cache.weights is None:
@@ -202,7 +252,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         block_size of them (a sliding window), at most block_size new tokens per pass (model.py's
         bound on tokens fed through caches)."""
         L, T, device = self.model.cfg.block_size, input_ids.size(1), input_ids.device
-        caches = [Evaluation(cache, j) for j in range(len(weights))]
+        caches = [Evaluation(cache, j) for j in range(self.config.num_hidden_layers)]  # one each
         past, logits = cache.get_seq_length(), []
         for start in range(0, T, L):
             end = past + min(start + L, T)
@@ -221,20 +271,23 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits of the columns `kept` of input_ids, without a cache: each row's real tokens moved
         to its front, where they sit at positions 0, 1, ... and the plain causal mask keeps every
         pad (all after them) out of their sight, through the model at once; a column takes the
-        logits of its row's real token number count (a pad: of the last real token before it).
-        Past block_size the Llama flavour slides its window (model.py); a GPT-flavour token past
-        the first block_size of its row is read again with its last block_size tokens at positions
-        0..block_size-1."""
+        logits of its row's real token number count (a pad: of the last real token before it; one
+        before every real token: its own, read alone). Past block_size the Llama flavour slides its
+        window (model.py); a GPT-flavour token past the first block_size of its row is read again
+        with its last block_size tokens at positions 0..block_size-1."""
         cfg, (B, T) = self.model.cfg, input_ids.shape
         L = cfg.block_size if cfg.flavor == "gpt" else T
         order = real.int().argsort(dim=1, descending=True, stable=True)  # (B, T): real ones first
         tokens = input_ids.gather(1, order)  # each row's real tokens, then its pads
-        c = count[:, kept].clamp(min=1)  # (B, k) (a pad before any real token: the first one's)
+        c = count[:, kept].clamp(min=1)  # (B, k) (a pad before any real token: below)
         window = c > L  # the GPT flavour's tokens past the first L of their row
         logits = None
         if not window.all():
             first = self.run(tokens[:, :L], weights, None)  # (B, min(T, L), vocab)
             logits = first.gather(1, (c.clamp(max=L) - 1)[..., None].expand(-1, -1, first.size(-1)))
+        b, j = (count[:, kept] == 0).nonzero(as_tuple=True)  # a pad before every real token: its
+        if b.numel():  # own logits, itself alone at position 0, as it reads through the cache
+            logits[b, j] = self.run(input_ids[b, kept[j], None], weights, None)[:, 0]
         b, j = window.nonzero(as_tuple=True)
         if b.numel():
             parts = torch.arange(b.numel(), device=b.device).split(WINDOWS_PER_PASS)

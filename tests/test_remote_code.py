@@ -546,8 +546,8 @@ def test_save_pretrained_passes_transformers_arguments_on(exported, tmp_path):
 def test_bad_arguments_are_one_line(exported):
     theirs = auto(exported["gpt"])
     idx = torch.randint(0, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(9))
-    with pytest.raises(ValueError, match="counts positions from attention_mask: pass no position_ids"):
-        theirs(idx, position_ids=torch.arange(8)[None])
+    with pytest.raises(ValueError, match=r"^position_ids disagree with attention_mask: .* \(no packed sequences\)"):
+        theirs(idx, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))  # two sequences packed
     with pytest.raises(ValueError, match=r"attention_mask is \(1, 5\): 0 cached and 8 new tokens need \(1, 8\)"):
         theirs(idx, attention_mask=torch.ones(1, 5))
     for name in ("output_hidden_states", "output_attentions"):  # refused, not None without a word
@@ -560,6 +560,202 @@ def test_bad_arguments_are_one_line(exported):
     cache = theirs(idx).cache  # 8 positions cached; 30 more go past the context of 32
     with pytest.raises(ValueError, match="re-reads each token's window: call it without a cache"):
         theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
+
+
+# -- transformers' tools on every kind: peft, quantizers, hooks, resize, sdpa, arguments (issue 48) ---
+
+def lora_trained(folder, targets, tmp_path, **config):
+    """A peft LoRA model of the folder, trained 3 steps by transformers' Trainer (lr 1e-2), with
+    (lora_B before, the peft model)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(auto(folder), peft.LoraConfig(r=4, target_modules=targets, **config))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    rows = torch.randint(0, TINY["vocab_size"], (8, 12), generator=torch.Generator().manual_seed(12))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0)
+    transformers.Trainer(model=model, args=args, train_dataset=[dict(input_ids=r, labels=r) for r in rows]).train()
+    return before, model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "shared", "materialized"])
+def test_peft_lora_on_a_blocks_linears_trains_and_merges(kind, exported, tmp_path):
+    """peft LoRA on the block linears of a kind that holds them as modules, through the Trainer, with
+    another trainable module beside (modules_to_save): its adapters move, the peft model's logits
+    are the base model's plus theirs, and merge_and_unload() gives the peft model's logits."""
+    names = ["attn", "proj", "down"] if kind == "llama" else ["attn", "proj", "fc2"]
+    before, model = lora_trained(exported[kind], names, tmp_path, modules_to_save=["ln_f"])
+    moved = [(p.detach() - before[n]).abs().max() for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(moved) == len(names) * (1 if kind == "shared" else auto(exported[kind]).model.cfg.n_layer)
+    assert min(moved) > 1e-3  # every adapter trained
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        adapted = model(idx).logits
+        with model.disable_adapter():
+            assert (model(idx).logits - adapted).abs().max() > 1e-3  # the adapters reach the logits
+        torch.testing.assert_close(model.merge_and_unload()(idx).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, wrapped", [("llama", ["attn", "down", "gate", "proj", "up"]), ("diffeq", ["L1", "L2"])])
+def test_peft_all_linear_leaves_the_llama_head_out(kind, wrapped, exported):
+    """target_modules="all-linear" (the recipe of docs/export.md) wraps every block linear of a
+    Llama-flavour model and not its head, as in LlamaForCausalLM (peft leaves out what
+    get_output_embeddings names), and a DiffEqFormer's time MLPs; merged, the logits are the peft
+    model's."""
+    peft = pytest.importorskip("peft")
+    theirs = auto(exported[kind])
+    assert theirs.get_output_embeddings() is theirs.model.lm_head and auto(exported["gpt"]).get_output_embeddings() is None
+    torch.manual_seed(0)
+    model = peft.get_peft_model(theirs, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    assert sorted({n.split(".")[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}) == wrapped
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        adapted = model(idx).logits
+        torch.testing.assert_close(model.merge_and_unload()(idx).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("kind", ["diffeq", "shared", "gpt", "llama", "materialized"])
+def test_quantize_dynamic_and_forward_hooks_reach_every_linear(kind, exported):
+    """Every nn.Linear of a model is called, so a forward hook on each fires, and
+    torch.ao.quantization.quantize_dynamic's int8 Linear replaces each (the block linears, the Llama
+    head, the time MLPs) and runs: logits near the float model's, not equal to them."""
+    theirs = auto(exported[kind])
+    linears = {name: m for name, m in theirs.named_modules() if isinstance(m, torch.nn.Linear)}
+    called = set()
+    for name, m in linears.items():
+        m.register_forward_hook(lambda m, args, out, name=name: called.add(name))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        logits = theirs(idx).logits
+        assert called == set(linears)
+        quantized = torch.ao.quantization.quantize_dynamic(theirs, {torch.nn.Linear}, dtype=torch.qint8)
+        assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+        difference = (quantized(idx).logits - logits).abs().max()
+    assert 0 < difference < 0.1
+
+
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_a_left_padded_batch_scores_one_loss_with_the_cache_or_without(kind, exported):
+    """A left-padded batch with labels: eval() (through the cache), use_cache=False and train()
+    (recomputed) give the same logits, the pads' included (a pad before every real token: its own,
+    alone at position 0), and so one loss, as LlamaForCausalLM gives one."""
+    theirs = auto(exported[kind])
+    g = torch.Generator().manual_seed(16)
+    ids, mask = padded([torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in (12, 7, 3)], "left")
+    with torch.no_grad():
+        cached = theirs(ids, attention_mask=mask, labels=ids)
+        recomputed = theirs(ids, attention_mask=mask, labels=ids, use_cache=False)
+        trained = theirs.train()(ids, attention_mask=mask, labels=ids)
+        alone = theirs.model(torch.zeros(1, 1, dtype=torch.long))[0][0, 0]  # the pad, id 0
+    assert cached.cache is not None and recomputed.cache is None and trained.cache is None
+    torch.testing.assert_close(recomputed.logits, cached.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(trained.logits, cached.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached.logits[2, :9], alone.expand(9, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(recomputed.loss, cached.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(trained.loss, cached.loss, rtol=1e-6, atol=1e-6)
+
+
+def test_return_dict_false_gives_a_tuple_and_inputs_embeds_is_one_line(exported):
+    """return_dict=False (given, or in the config): (loss, logits), those of the output, as
+    transformers' models give; inputs_embeds, alone or with input_ids, is refused in one line."""
+    theirs = auto(exported["gpt"]).train()  # (training keeps no cache: the tuple is (loss, logits))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(17))
+    out = theirs(idx, labels=idx)
+    loss, logits = theirs(idx, labels=idx, return_dict=False)
+    assert torch.equal(loss, out.loss) and torch.equal(logits, out.logits)
+    theirs.config.return_dict = False
+    assert isinstance(theirs(idx), tuple) and isinstance(theirs(idx, return_dict=True).logits, torch.Tensor)
+    embeddings = theirs.get_input_embeddings()(idx)
+    for args in (dict(input_ids=idx, inputs_embeds=embeddings), dict(inputs_embeds=embeddings)):
+        with pytest.raises(ValueError, match=r"^DiffEqFormer reads input_ids, not inputs_embeds .*: pass input_ids alone$"):
+            theirs(**args)
+
+
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_resize_token_embeddings_resizes_and_the_folder_loads_everywhere(kind, saved, exported, tmp_path, capsys):  # noqa: F811
+    """resize_token_embeddings(100) (a tokenizer with 4 tokens more): the embeddings, the Llama head
+    and model.py's config resized, the old tokens' logits unchanged; saved, the folder loads in
+    transformers, checkpoints.load_model, sample.py and export.py with the same logits. With
+    pad_to_multiple_of the padded rows never get probability; mean_resizing=False draws the new
+    rows as model.py draws an embedding (std 0.02)."""
+    theirs = auto(exported[kind])
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(18))
+    with torch.no_grad():
+        before = theirs(idx).logits
+        theirs.resize_token_embeddings(100)
+        idx[0, 3] = 99  # a new token
+        logits = theirs(idx).logits
+    assert logits.shape == (2, 12, 100) and theirs.model.cfg.vocab_size == theirs.config.vocab_size == 100
+    assert theirs.model.wte.weight.shape[0] == 100 and (kind == "diffeq" or theirs.model.lm_head.weight.shape[0] == 100)
+    torch.testing.assert_close(logits[1, :, :96], before[1], rtol=0, atol=0)
+    theirs.save_pretrained(tmp_path / "resized")
+    export.export(str(tmp_path / "resized"), str(tmp_path / "again"))
+    with torch.no_grad():
+        for folder in (tmp_path / "resized", tmp_path / "again"):
+            assert torch.equal(auto(folder)(idx).logits, logits)
+            assert torch.equal(checkpoints.load_model(str(folder))[0](idx)[0], logits)
+    sample.main([f"--init_from={tmp_path / 'resized'}", "--max_new_tokens=3", "--num_samples=1", "--start=!"])
+    assert f"{tmp_path / 'resized'}: {theirs.model.cfg.model_type}" in capsys.readouterr().err
+    padded_rows = auto(exported[kind])
+    padded_rows.resize_token_embeddings(100, pad_to_multiple_of=64, mean_resizing=False)
+    assert padded_rows.model.cfg.tokenizer_vocab == 100 and padded_rows.config.model_config["vocab_size"] == 128
+    with torch.no_grad():
+        wide = padded_rows(idx).logits
+    assert wide.shape[-1] == 128 and wide[..., 100:].eq(-float("inf")).all() and wide[..., :100].isfinite().all()
+    assert abs(padded_rows.model.wte.weight[96:].std().item() - 0.02) < 0.003
+
+
+def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
+    """attn_implementation="sdpa" loads (model.py attends with scaled_dot_product_attention), as
+    "eager" does, and both give the logits of a plain load."""
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(19))
+    with torch.no_grad():
+        expected = auto(exported["diffeq"])(idx).logits
+        for implementation in ("sdpa", "eager"):
+            theirs = auto(exported["diffeq"], attn_implementation=implementation)
+            assert theirs.config._attn_implementation == implementation
+            assert torch.equal(theirs(idx).logits, expected)
+
+
+def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_path):  # noqa: F811
+    """position_ids as transformers makes them (the mask's count, 0 at pads; continuing a cache)
+    give the logits without them, and the folder runs as assistant_model of its own --format=hf
+    twin (transformers passes the draft model position_ids): the target's greedy tokens."""
+    theirs = auto(exported["llama"])
+    g = torch.Generator().manual_seed(20)
+    ids, mask = padded([torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in (10, 6)], "left")
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        expected = theirs(ids, attention_mask=mask).logits
+        torch.testing.assert_close(theirs(ids, attention_mask=mask, position_ids=positions).logits, expected,
+                                   rtol=0, atol=0)
+        cache = theirs(ids[:1, :6]).cache  # then 4 more tokens at positions 6..9
+        continued = theirs(ids[:1, 6:], cache=cache, position_ids=torch.arange(6, 10)[None]).logits
+        torch.testing.assert_close(continued, expected[:1, 6:], rtol=1e-5, atol=1e-5)
+        export.export(saved["llama"], str(tmp_path / "twin"), "hf")
+        target = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "twin")
+        prompt = ids[:1]
+        greedy = target.generate(prompt, max_new_tokens=10, do_sample=False)
+        assert torch.equal(target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=theirs), greedy)
+
+
+@pytest.mark.parametrize("kind, depth, accepted", [("gpt", dict(steps=12, solver="rk4"), False),
+                                                   ("materialized", dict(steps=5), False),
+                                                   ("materialized", dict(solver="midpoint"), False),
+                                                   ("materialized", dict(steps=4, solver="euler"), True)])
+def test_a_depth_a_fixed_layer_kind_cannot_run_is_refused_at_load(kind, depth, accepted, exported, monkeypatch):
+    """steps and solver given to from_pretrained of a model with fixed layers: its own depth (n_layer
+    Euler steps: 4 for the materialised model) loads, any other is refused in one line before a weight
+    is read, not at the first forward pass (save_pretrained would write a folder nothing runs)."""
+    if accepted:
+        assert auto(exported[kind], **depth)(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+        return
+    monkeypatch.setattr(transformers.PreTrainedModel, "_load_pretrained_model",
+                        classmethod(lambda *a, **k: pytest.fail("weights read")))
+    with pytest.raises(ValueError, match=r"^a \w+ \(gpt\) model has \d fixed layers and runs them with euler only"):
+        auto(exported[kind], **depth)
 
 
 # -- the folder's card and lm-eval's command ------------------------------------------------------
