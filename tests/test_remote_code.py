@@ -5,6 +5,7 @@ ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_e
 scores the local tasks as this project's harness does. Skipped without transformers."""
 import glob
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import analyze
 import checkpoints
 import export
 import sample
+from configurator import UserError
 from conftest import ROOT, TINY, tokenizer_or_skip
 from model import SOLVERS
 from test_export import KINDS, checkpoint, random_model, saved, same_tokens  # noqa: F401 (saved: a fixture)
@@ -779,6 +781,32 @@ def test_hidden_states_past_a_gpt_flavour_context_are_each_windows(exported, mon
         with pytest.raises(ValueError, match=rf"^output_attentions=True past block_size={L}: a GPT-flavour "
                                              rf"model reads each token there in a window of its own"):
             theirs(idx, output_attentions=True)
+
+
+def test_the_logit_lens_reads_the_head_at_every_state(tmp_path, capsys):
+    """experiments/logit_lens.py: at every t_k the probability of the answer is the softmax of the
+    head on the state after the final norm; at t = 1 the model's own, at t = 0 the embedding's."""
+    from experiments import logit_lens
+    from test_sample import random_model, save_model
+    ours = random_model(vocab_size=256, block_size=32).float()
+    export.export(save_model(tmp_path / "ode.pt", ours), str(tmp_path / "folder"))
+    logit_lens.main([f"--init_from={tmp_path / 'folder'}", "--steps=3", "--solvers=euler,rk4", "--prompt=ROMEO",
+                     "--answer=:", "--windows=2", f"--out={tmp_path / 'lens'}"])
+    assert "euler: 4 states; the lens at t=1 is the model's own log-probabilities (max |difference| 0.0e+00)" \
+        in capsys.readouterr().out
+    saved = json.load(open(tmp_path / "lens" / "logit_lens.json"))
+    assert saved["t"] == [0, 1 / 3, 2 / 3, 1] and os.path.getsize(tmp_path / "lens" / "logit_lens.png") > 0
+    idx = torch.tensor([list(b"ROMEO")])
+    with torch.no_grad():
+        for solver in ("euler", "rk4"):
+            p = saved["results"][solver]["answer"]
+            assert len(p) == 4 and len(saved["results"][solver]["next_token"]) == 4
+            last = ours(idx, steps=3, solver=solver)[0][0, -1].softmax(-1)[ord(":")]
+            assert p[-1] == pytest.approx(last.item(), rel=1e-5)
+        first = F.linear(ours.ln_f(embedded(ours, idx)), ours.wte.weight)[0, -1].softmax(-1)[ord(":")]
+        assert p[0] == pytest.approx(first.item(), rel=1e-5)
+    with pytest.raises(UserError, match=r"^--answer='ab' is 2 tokens: give one$"):
+        logit_lens.main([f"--init_from={tmp_path / 'folder'}", "--answer=ab", f"--out={tmp_path / 'lens'}"])
 
 
 # -- the folder's card and lm-eval's command ------------------------------------------------------
