@@ -31,8 +31,8 @@ class LensConfig:
     init_from: str = "out-export"  # an exported folder (export.py), loaded by transformers
     steps: int = 6  # the ODE's solver steps: states at t_k = k / steps
     solvers: str = "euler,rk4"  # solvers to read, comma-separated
-    prompt: str = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, spea"
-    answer: str = "k"  # the token that follows the prompt, one token of the folder's tokenizer
+    prompt: str = "ROMEO:\nI will not, my lord, I thank yo"
+    answer: str = "u"  # the token that follows the prompt, one token of the folder's tokenizer
     windows: int = 16  # windows of block_size tokens of the text's end, every position averaged
     out: str = "out-lens"  # folder for logit_lens.png and logit_lens.json
 
