@@ -2,7 +2,7 @@
 A logit lens over t: an exported DiffEqFormer read at every state X(t_k) of its ODE, as transformers
 gives them (output_hidden_states=True, docs/export.md), for Euler and RK4 at the same step count.
 
-    python -m experiments.logit_lens --init_from=out-export                       # 6 steps, euler and rk4
+    python -m experiments.logit_lens --init_from=out-export       # 6 steps, euler and rk4
     python -m experiments.logit_lens --init_from=out-export --steps=12 --solvers=euler,midpoint,rk4
 
 The head, after the final norm, applied to X(t_k) gives a next-token distribution at each t_k (the
@@ -59,30 +59,32 @@ def lens(model, hidden_states):
 def main(argv):
     cfg, _ = parse_config(argv, LensConfig)
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise UserError("experiments.logit_lens needs transformers: pip install -r "
                         "requirements-eval.txt") from None
-    make_dir(cfg.out, "out")
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.init_from, trust_remote_code=True)
+        L = AutoConfig.from_pretrained(cfg.init_from, trust_remote_code=True).max_position_embeddings
     except OSError as e:
         raise UserError(f"--init_from={cfg.init_from}: transformers cannot read it "
                         f"({type(e).__name__}); give a folder export.py wrote") from None
     answer = tokenizer(cfg.answer)["input_ids"]
     if len(answer) != 1:
         raise UserError(f"--answer={cfg.answer!r} is {len(answer)} tokens: give one")
-    prompt = torch.tensor([tokenizer(cfg.prompt)["input_ids"]])
+    prompt = torch.tensor([tokenizer(cfg.prompt, verbose=False)["input_ids"]])
+    if prompt.size(1) > L:
+        raise UserError(f"--prompt is {prompt.size(1)} tokens: the model reads at most {L}")
     ids = tokenizer(open(TEXT).read()[-20000:], verbose=False)["input_ids"]  # (longer than L)
+    if len(ids) < cfg.windows * (L + 1):
+        raise UserError(f"--windows={cfg.windows}: the text holds {len(ids) // (L + 1)} windows "
+                        f"of {L + 1} tokens")
+    windows = torch.tensor(ids[-cfg.windows * (L + 1):]).view(cfg.windows, L + 1)
+    make_dir(cfg.out, "out")
     results = {}
     for solver in cfg.solver_names():
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, trust_remote_code=True,
                                                      steps=cfg.steps, solver=solver)
-        L = model.model.cfg.block_size
-        if prompt.size(1) > L or len(ids) < cfg.windows * (L + 1):
-            raise UserError(f"the prompt ({prompt.size(1)} tokens) and --windows={cfg.windows} "
-                            f"windows of {L + 1} tokens must fit the context and the text")
-        windows = torch.tensor(ids[-cfg.windows * (L + 1):]).view(cfg.windows, L + 1)
         with torch.no_grad():
             out = model(prompt, output_hidden_states=True)
             read = lens(model, out.hidden_states)

@@ -166,7 +166,8 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         before it. With a cache, input_ids follow its tokens and attention_mask covers both.
         logits_to_keep=k: the last k positions' logits (0: all). num_items_in_batch (the Trainer's
         count of labels over the micro-batches it accumulates): the sum over tokens divided by it,
-        as transformers' causal LMs (ForCausalLMLoss) do."""
+        as transformers' causal LMs (ForCausalLMLoss) do. output_hidden_states, output_attentions
+        (or the config's): the trajectory too, every column's (Pass)."""
         if kwargs.get("position_ids") is not None:
             raise ValueError("DiffEqFormer counts positions from attention_mask: pass no "
                              "position_ids")
@@ -337,8 +338,8 @@ class DiffEqFormerModel(DiffEqFormerForCausalLM):
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, **kwargs):
         asked = kwargs.pop("output_hidden_states", None)
-        out = super().forward(input_ids, attention_mask, cache, use_cache, output_hidden_states=True,
-                              **kwargs)
+        out = super().forward(input_ids, attention_mask, cache, use_cache,
+                              output_hidden_states=True, **kwargs)
         asked = self.config.output_hidden_states if asked is None else asked
         return BaseModelOutputWithPast(last_hidden_state=out.hidden_states[-1], cache=out.cache,
                                        hidden_states=out.hidden_states if asked else None,
