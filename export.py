@@ -45,6 +45,7 @@ REMOTE_CODE = {name: os.path.join(ROOT, folder, name) for folder, name in (
 # export.py may replace (check_out)
 CARD = "---\nlibrary_name: transformers\ntags: [diffeqformer, neural-ode, transformer]\n---"
 AUTO_MAP = {"AutoConfig": "configuration_diffeqformer.DiffEqFormerConfig",
+            "AutoModel": "modeling_diffeqformer.DiffEqFormerModel",
             "AutoModelForCausalLM": "modeling_diffeqformer.DiffEqFormerForCausalLM"}
 
 

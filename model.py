@@ -161,12 +161,23 @@ def apply_rope(x, cos, sin):
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
 
 
-def attention(x, w, cfg, rope, dropout, mask=None, kv=None):
+def attention_probs(q, k, mask=None):
+    """softmax(q k^T / sqrt(hs)) under the mask (None: causal), (B, nh, T, S): the probabilities
+    scaled_dot_product_attention weights the values with, which it does not return."""
+    if mask is None:  # is_causal's mask, which is top-left aligned when S > T
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+def attention(x, w, cfg, rope, dropout, mask=None, kv=None, probs=None):
     """Causal multi-head self-attention A_t(Y) (METHOD 1), fused QKV, then the output projection.
     mask (T, S) or (B, 1, T, S), True where a query may see a key, replaces the plain causal mask
     where that is not enough: a KV cache, padding, or a RoPE model reading more than block_size
     tokens. kv, with a KV cache, is (this evaluation's cache, the slots (T,) of x's tokens): their
-    keys and values are written there and the queries attend to the whole cache (see Context)."""
+    keys and values are written there and the queries attend to the whole cache (see Context).
+    probs, a list: the attention probabilities (B, nh, T, S) are appended to it (before dropout),
+    computed apart from the fused kernel, and only then."""
     B, T, C = x.size()
     q, k, v = linear(x, w["attn"]).split(C, dim=2)
     q, k, v = (z.view(B, T, cfg.n_head, C // cfg.n_head).transpose(1, 2) for z in (q, k, v))
@@ -179,6 +190,8 @@ def attention(x, w, cfg, rope, dropout, mask=None, kv=None):
     # attention-probability dropout in the baselines only (nanoGPT's): the authors' ODE has none
     p = dropout if cfg.model_type == "baseline" else 0.0
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
+    if probs is not None:
+        probs.append(attention_probs(q, k, mask))
     y = y.transpose(1, 2).reshape(B, T, C)
     return F.dropout(linear(y, w["proj"]), dropout, dropout > 0)
 
@@ -192,24 +205,24 @@ def mlp(x, w, cfg, dropout):
     return F.dropout(y, dropout, dropout > 0)
 
 
-def vector_field(x, w, cfg, rope, dropout, mask=None, kv=None):
+def vector_field(x, w, cfg, rope, dropout, mask=None, kv=None, probs=None):
     """F(X, t) = A_t(N1_t(X)) + M_t(N2_t(X)): attention and MLP in parallel on X (METHOD 1)"""
-    return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, kv)
+    return (attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, kv, probs)
             + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout))
 
 
-def sequential_block(x, w, cfg, rope, dropout, mask=None, kv=None):
+def sequential_block(x, w, cfg, rope, dropout, mask=None, kv=None, probs=None):
     """The GPT / Llama baseline layer: pre-norm attention, then the MLP (METHOD 4)."""
-    x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, kv)
+    x = x + attention(norm(x, *w["ln_1"], cfg.flavor), w, cfg, rope, dropout, mask, kv, probs)
     return x + mlp(norm(x, *w["ln_2"], cfg.flavor), w, cfg, dropout)
 
 
-def layer(x, w, cfg, rope, dropout, mask=None, kv=None):
+def layer(x, w, cfg, rope, dropout, mask=None, kv=None, probs=None):
     """One layer of a model with fixed layers: the baseline's sequential block, or a materialised
     ODE's Euler step x + F(x) / N with the weights of its time (METHOD 5)."""
     if cfg.model_type == "baseline":
-        return sequential_block(x, w, cfg, rope, dropout, mask, kv)
-    return x + (1.0 / cfg.n_layer) * vector_field(x, w, cfg, rope, dropout, mask, kv)
+        return sequential_block(x, w, cfg, rope, dropout, mask, kv, probs)
+    return x + (1.0 / cfg.n_layer) * vector_field(x, w, cfg, rope, dropout, mask, kv, probs)
 
 
 def block_shapes(cfg):
@@ -367,9 +380,9 @@ class Block(nn.Module):
         return {name: (m.weight, getattr(m, "bias", None)) if name.startswith("ln_") else m
                 for name, m in self.named_children()}
 
-    def forward(self, x, cfg, rope, dropout, mask=None, kv=None):
+    def forward(self, x, cfg, rope, dropout, mask=None, kv=None, probs=None):
         """`layer` of this block (a module call, so that FSDP2 gathers its weights first)"""
-        return layer(x, self.applied(), cfg, rope, dropout, mask, kv)
+        return layer(x, self.applied(), cfg, rope, dropout, mask, kv, probs)
 
 
 def sliding_window_mask(pos, key_pos, window):
@@ -486,11 +499,13 @@ class DiffEqFormer(nn.Module):
         return sum(p.numel() for p in self.parameters())  # the tied GPT head counted once
 
     # -- the forward pass --------------------------------------------------------------------------
-    def forward(self, idx, targets=None, steps=None, solver=None, weights=None, context=None):
+    def forward(self, idx, targets=None, steps=None, solver=None, weights=None, context=None,
+                states=None, attentions=None):
         """Logits (B, T, vocab) and the mean cross-entropy with targets (ignore index -1), or None.
         steps, solver: an ODE's depth (default: n_layer Euler steps). weights: every evaluation's
         block weights from step_weights, made once for many passes (train.py per optimizer step,
-        sample.py per generation). context: where the tokens sit and what they see (Context)."""
+        sample.py per generation). context: where the tokens sit and what they see (Context).
+        states, attentions: lists that `integrate` fills with the trajectory, when given."""
         cfg, T = self.cfg, idx.size(1)
         steps, solver = cfg.depth(steps, solver)
         ctx = context or Context(torch.arange(T, device=idx.device))
@@ -508,7 +523,8 @@ class DiffEqFormer(nn.Module):
         mask = ctx.mask
         if mask is None and T > cfg.block_size:  # a RoPE model past its context: a sliding window
             mask = sliding_window_mask(ctx.pos, ctx.pos, cfg.block_size)
-        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, ctx.caches, ctx.slots)
+        x = self.integrate(x, steps, solver, rope, dropout, weights, mask, ctx.caches, ctx.slots,
+                           states, attentions)
         if ctx.last:  # decoding: the next token needs the last position only
             x = x[:, -1:]
         head = self.lm_head if self.lm_head is not None else (self.wte.weight,)  # GPT: tied to wte
@@ -542,10 +558,12 @@ class DiffEqFormer(nn.Module):
         return unbind_times(self.hyper(self.times(steps, solver, offsets)))
 
     def integrate(self, x, steps, solver, rope, dropout, weights=None, mask=None, caches=None,
-                  slots=None):
+                  slots=None, states=None, attentions=None):
         """X(1) from X(0): `steps` solver steps of the ODE with weights[j] at evaluation j of F
         (METHOD 2), or the layers of a model with fixed layers; caches[j]: evaluation j's KV cache,
-        where the tokens' keys and values go, into its slots (see Context)."""
+        where the tokens' keys and values go, into its slots (see Context). The trajectory, into
+        lists given: states gets X(0), then the state after each step (layer), steps + 1 tensors
+        (B, T, C); attentions the attention probabilities of each evaluation of F (B, nh, T, S)."""
         cfg, n = self.cfg, evaluations(self.cfg, steps, solver)
         if caches is not None and len(caches) != n:
             raise ValueError(f"{steps} {solver} steps need {n} KV caches, got {len(caches)}")
@@ -553,13 +571,20 @@ class DiffEqFormer(nn.Module):
             raise ValueError(f"{len(weights)} weights for {steps} {solver} steps, which need {n}")
 
         def run(fn, x, j, *w):  # evaluation j; activation checkpointing: keep x, recompute the rest
-            args = (x, *w, cfg, rope, dropout, mask, None if caches is None else (caches[j], slots))
-            if cfg.checkpoint and self.training:
-                return checkpoint(fn, *args, use_reentrant=False)
+            kv = None if caches is None else (caches[j], slots)
+            args = (x, *w, cfg, rope, dropout, mask, kv, attentions)
+            if cfg.checkpoint and self.training and attentions is None:  # (a recomputation would
+                return checkpoint(fn, *args, use_reentrant=False)  # append its attention again)
             return fn(*args)
+
+        def keep(x):  # the trajectory, when asked: X(0), then the state after each step or layer
+            if states is not None:
+                states.append(x)
+        keep(x)
         if not cfg.is_ode:  # module calls (FSDP2 gathers each layer's weights), or the layers with
             for j, module in enumerate(self.layers):  # weights made beforehand (sample.py: cast)
                 x = run(module, x, j) if weights is None else run(layer, x, j, weights[j])
+                keep(x)
             return x
         if weights is None and cfg.model_type == "shared":  # its linears called (see `linear`)
             weights = [self.block.applied()] * n
@@ -580,6 +605,7 @@ class DiffEqFormer(nn.Module):
                 k3 = f(x + 0.5 * h * k2, 4 * k + 2)
                 k4 = f(x + h * k3, 4 * k + 3)
                 x = x + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
+            keep(x)
         return x
 
     def vector_field_at(self, t, x, rope=None, mask=None):

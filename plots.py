@@ -6,7 +6,7 @@ scripts compute their numbers, then hand them to one function here per figure.
 * analysis (analyze.py): eigenvalue spectra over t, the particle simulation, the prompt shaded by
   its Lyapunov scores (PNG and HTML)
 * experiments: validation loss against depth (experiments/depth.py), the downstream-task bar chart
-  (experiments/eval.py)
+  (experiments/eval.py), the logit lens over t (experiments/logit_lens.py)
 
 The figures of the results page stay in experiments/reproduce.py: each one reads that page's
 summary.
@@ -260,6 +260,27 @@ def depth(results, trained, png_path):
     with written(png_path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
+
+
+def logit_lens(t, results, prompt, answer, path):
+    """The logit lens over t (experiments/logit_lens.py): per solver, the probability of the answer
+    after the prompt, and the mean probability of the next token over many positions, read from
+    the state X(t_k) at each t_k."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    for j, (solver, r) in enumerate(results.items()):
+        axes[0].plot(t, r["answer"], "o-", color=f"C{j}", label=solver)
+        axes[1].plot(t, r["next_token"], "o-", color=f"C{j}", label=solver)
+    tail = prompt[-24:].replace("\n", "\\n")
+    axes[0].set_title(f"p({answer!r}) after '...{tail}'", fontsize=10)
+    axes[1].set_title("mean p(next token), every position", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("t_k (the state after step k of N)")
+        ax.set_ylim(0, None)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set_ylabel("probability, head after the final norm")
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 def eval_bars(labels, tables, path):

@@ -99,7 +99,8 @@ class Field(torch.nn.Module):
 def solved_by(model, solve, counter=None, **options):
     """An integrate for model's forward pass: solve(Field, x, [0, 1], **options), torchdiffeq's odeint or
     odeint_adjoint, from the embedded tokens to X(1); counter (a list) collects the evaluations of F."""
-    def integrate(x, steps, solver, rope, dropout, weights=None, mask=None, caches=None, slots=None):
+    def integrate(x, steps, solver, rope, dropout, weights=None, mask=None, caches=None, slots=None,
+                  states=None, attentions=None):  # (no trajectory: train.evaluate asks for none)
         field = Field(model, rope, mask, 1.0 / steps if options.get("method") == "euler" else 0.0)
         span = torch.linspace(0, 1, steps + 1 if options.get("method") in SOLVERS else 2,
                               dtype=time_dtype(x.dtype), device=x.device)  # fixed steps: the grid

@@ -22,6 +22,12 @@ weights are model.safetensors as the project writes them. As transformers' GPT-2
   are called as modules, so that peft's LoRA, quantize_dynamic and forward hooks work on them as
   on transformers' own classes; a DiffEqFormer generates its block weights (peft can adapt its
   time MLPs).
+
+Where no transformers model has one, its depth is a trajectory: output_hidden_states=True gives the
+states X(t_k) along the ODE's solution, X(0) (the embedding) and the state after each solver step,
+the last one after the final norm as GPT-2's and Llama's are; output_attentions=True each
+evaluation's attention probabilities. AutoModel loads the base model, DiffEqFormerModel, which
+gives that last hidden state (feature extraction).
 """
 import os
 import shutil
@@ -31,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerationMode
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
@@ -62,6 +68,34 @@ class Evaluation(NamedTuple):
         DynamicCache appends); return every key and value held."""
         assert slots.shape == k.shape[2:3], "a slot per token"
         return self.cache.update(k, v, self.j)
+
+
+class Pass(NamedTuple):
+    """What a forward pass gives, by column: logits (B, T, vocab) and, where asked, the trajectory:
+    the states X(t_k), steps + 1 of (B, T, C), and the attention probabilities of each evaluation
+    of F, (B, nh, T, S) each."""
+    logits: torch.Tensor
+    states: list | None = None
+    attentions: list | None = None
+
+    def take(self, source, kept=slice(None)):
+        """The pass whose column i of row b is its column source[b, i] (B, k): every column's
+        states and attention rows (queries), the logits of the columns `kept` (all) only."""
+        rows = torch.arange(source.size(0), device=source.device)[:, None]
+        return Pass(self.logits[rows, source[:, kept]],
+                    self.states and [z[rows, source] for z in self.states],
+                    self.attentions and [a.transpose(1, 2)[rows, source].transpose(1, 2)
+                                         for a in self.attentions])
+
+
+def joined(passes, S):
+    """One Pass of passes over consecutive columns, attending to S keys in all (a pass's attention
+    to the keys after its tokens: 0)."""
+    states = passes[0].states and [torch.cat(zs, 1) for zs in zip(*(p.states for p in passes))]
+    attentions = passes[0].attentions and [
+        torch.cat([F.pad(a, (0, S - a.size(-1))) for a in zs], 2)
+        for zs in zip(*(p.attentions for p in passes))]
+    return Pass(torch.cat([p.logits for p in passes], 1), states, attentions)
 
 
 class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
@@ -172,14 +206,14 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         position_ids, where given, must be the mask's. logits_to_keep=k: the last k positions'
         logits (0: all). num_items_in_batch (the Trainer's count of labels over the micro-batches
         it accumulates): the sum over tokens divided by it, as transformers' causal LMs
-        (ForCausalLMLoss) do."""
+        (ForCausalLMLoss) do. output_hidden_states, output_attentions (or the config's): the
+        trajectory too, every column's (Pass)."""
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("DiffEqFormer reads input_ids, not inputs_embeds (model.py looks its "
                              "tokens up in its own embeddings): pass input_ids alone")
-        for name in ("output_hidden_states", "output_attentions"):  # (given, or in the config)
-            if kwargs.get(name, getattr(self.config, name)):
-                raise ValueError(f"{name}=True: DiffEqFormer returns logits only (model.py keeps "
-                                 f"no state of a step, no attention weights); leave it out")
+        # the trajectory, where asked (here, or in the config): its states, its attentions
+        trajectory = tuple(getattr(self.config, name) if kwargs.get(name) is None else kwargs[name]
+                           for name in ("output_hidden_states", "output_attentions"))
         if not isinstance(logits_to_keep, int) or (labels is not None and logits_to_keep):
             raise ValueError(f"logits_to_keep={logits_to_keep!r}: the last k positions (an int), "
                              f"0 (every position) with labels")
@@ -198,6 +232,11 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                              "token's position as the real tokens before it (no packed "
                              "sequences); pass none, or those")
         if cfg.flavor == "gpt" and count[:, -1].max() > cfg.block_size:  # its window moves
+            if trajectory[1]:
+                raise ValueError(f"output_attentions=True past block_size={cfg.block_size}: a "
+                                 f"GPT-flavour model reads each token there in a window of its "
+                                 f"own, at positions 0..{cfg.block_size - 1}, so no one attention "
+                                 f"map covers the input; give at most {cfg.block_size} tokens")
             if past:
                 raise ValueError(f"past block_size={cfg.block_size} a GPT-flavour model re-reads "
                                  f"each token's window: call it without a cache")
@@ -210,13 +249,13 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         kept = torch.arange(max(T - logits_to_keep, 0) if logits_to_keep else 0, T,
                             device=input_ids.device)  # the columns whose logits come back
         if cache is None:
-            logits = self.recomputed(input_ids, real, count, weights, kept)
-        else:  # a pad takes the logits of the last real token before it (right-padded prompts
-            logits = self.cached(input_ids, real, count, cache, weights)  # generate as alone)
-            col = torch.arange(T, device=input_ids.device)
+            out = self.recomputed(input_ids, real, count, weights, kept, trajectory)
+        else:  # a pad takes the logits (and states) of the last real token before it
+            out = self.cached(input_ids, real, count, cache, weights, trajectory)  # (right-padded
+            col = torch.arange(T, device=input_ids.device)  # prompts generate as alone)
             last_real = torch.where(real[:, past:], col, -1).cummax(dim=1).values  # (B, T)
-            source = torch.where(last_real >= 0, last_real, col)[:, kept]
-            logits = logits.gather(1, source[..., None].expand(-1, -1, logits.size(-1)))
+            out = out.take(torch.where(last_real >= 0, last_real, col), kept)
+        logits = out.logits
         real_vocab = logits[..., :self.model.cfg.tokenizer_vocab or None]  # (the rest: -inf)
         if not real_vocab.isfinite().all():
             raise ValueError(f"{int((~real_vocab.isfinite()).sum()):,} logits are NaN or inf: the "
@@ -226,7 +265,9 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             n = (labels[:, 1:] != -100).sum() if num_items_in_batch is None else num_items_in_batch
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=-100, reduction="sum") / n  # (the Trainer: no more)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache,
+                                      hidden_states=out.states and tuple(out.states),
+                                      attentions=out.attentions and tuple(out.attentions))
 
     def step_weights(self, cache, steps, solver):
         """A diffeq model's block weights of every evaluation of F: a DiffEqFormerCache's, made once
@@ -241,19 +282,26 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             cache.weights = self.model.step_weights(steps, solver)
         return cache.weights
 
-    def run(self, idx, weights, context):
-        """model.py's logits of idx at this model's steps and solver, with these weights."""
-        return self.model(idx, steps=self.config.steps, solver=self.config.solver,
-                          weights=weights, context=context)[0]
+    def run(self, idx, weights, context, trajectory=(False, False)):
+        """model.py's pass over idx at this model's steps and solver, with these weights: its
+        logits and, where trajectory (states?, attentions?) asks, its states X(t_k), the last one
+        after the final norm (as GPT-2 and Llama give theirs), and its attention probabilities."""
+        states, attentions = ([] if asked else None for asked in trajectory)
+        logits = self.model(idx, steps=self.config.steps, solver=self.config.solver,
+                            weights=weights, context=context, states=states,
+                            attentions=attentions)[0]
+        if states:
+            states[-1] = self.model.ln_f(states[-1])
+        return Pass(logits, states, attentions)
 
-    def cached(self, input_ids, real, count, cache, weights):
+    def cached(self, input_ids, real, count, cache, weights, trajectory):
         """Logits of input_ids, the tokens after the cache's, through it: evaluation j of F attends
         to layer j's keys and values, each token to the real ones among those before it, the last
         block_size of them (a sliding window), at most block_size new tokens per pass (model.py's
         bound on tokens fed through caches)."""
         L, T, device = self.model.cfg.block_size, input_ids.size(1), input_ids.device
         caches = [Evaluation(cache, j) for j in range(self.config.num_hidden_layers)]  # one each
-        past, logits = cache.get_seq_length(), []
+        past, passes = cache.get_seq_length(), []
         for start in range(0, T, L):
             end = past + min(start + L, T)
             q = torch.arange(past + start, end, device=device)  # (t,): the new tokens
@@ -264,45 +312,61 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             # kernel may give NaN for a row that sees nothing, and 0 x NaN reaches the real tokens
             pos = (count[:, q] - 1).clamp(min=0)  # (B, t): real tokens before each
             context = Context(pos, seen[:, None], caches, q)  # seen[:, None]: every head's mask
-            logits.append(self.run(input_ids[:, start:start + L], weights, context))
-        return torch.cat(logits, dim=1)
+            passes.append(self.run(input_ids[:, start:start + L], weights, context, trajectory))
+        return joined(passes, past + T)
 
-    def recomputed(self, input_ids, real, count, weights, kept):
+    def recomputed(self, input_ids, real, count, weights, kept, trajectory):
         """Logits of the columns `kept` of input_ids, without a cache: each row's real tokens moved
         to its front, where they sit at positions 0, 1, ... and the plain causal mask keeps every
         pad (all after them) out of their sight, through the model at once; a column takes the
         logits of its row's real token number count (a pad: of the last real token before it; one
         before every real token: its own, read alone). Past block_size the Llama flavour slides its
         window (model.py); a GPT-flavour token past the first block_size of its row is read again
-        with its last block_size tokens at positions 0..block_size-1."""
+        with its last block_size tokens at positions 0..block_size-1. The trajectory, where asked,
+        of every column, its keys in their columns."""
         cfg, (B, T) = self.model.cfg, input_ids.shape
         L = cfg.block_size if cfg.flavor == "gpt" else T
         order = real.int().argsort(dim=1, descending=True, stable=True)  # (B, T): real ones first
         tokens = input_ids.gather(1, order)  # each row's real tokens, then its pads
-        c = count[:, kept].clamp(min=1)  # (B, k) (a pad before any real token: below)
+        columns = torch.arange(T, device=tokens.device) if any(trajectory) else kept  # (k,)
+        c = count[:, columns].clamp(min=1)  # (B, k) (a pad before any real token: below)
         window = c > L  # the GPT flavour's tokens past the first L of their row
-        logits = None
+        out = None
         if not window.all():
-            first = self.run(tokens[:, :L], weights, None)  # (B, min(T, L), vocab)
-            logits = first.gather(1, (c.clamp(max=L) - 1)[..., None].expand(-1, -1, first.size(-1)))
-        b, j = (count[:, kept] == 0).nonzero(as_tuple=True)  # a pad before every real token: its
-        if b.numel():  # own logits, itself alone at position 0, as it reads through the cache
-            logits[b, j] = self.run(input_ids[b, kept[j], None], weights, None)[:, 0]
+            out = self.run(tokens[:, :L], weights, None, trajectory).take(c.clamp(max=L) - 1)
+            if out.attentions:  # each key back in its column (a pad's, after the real ones: 0)
+                keys = order.argsort(dim=1)[:, None, None].expand(-1, cfg.n_head, c.size(1), -1)
+                out = out._replace(attentions=[F.pad(a, (0, T - a.size(-1))).gather(3, keys)
+                                               for a in out.attentions])
+        b, j = (count[:, columns] == 0).nonzero(as_tuple=True)  # a pad before every real token:
+        if b.numel():  # its own logits and states, itself alone at position 0, as through the cache
+            alone = self.run(input_ids[b, columns[j], None], weights, None, trajectory)
+            out.logits[b, j] = alone.logits[:, 0]
+            for z, own in zip(out.states or [], alone.states or []):
+                z[b, j] = own[:, 0]
+            for a in out.attentions or []:  # it sees itself alone
+                a[b, :, j] = F.one_hot(columns[j], T).to(a.dtype)[:, None]
         b, j = window.nonzero(as_tuple=True)
         if b.numel():
             parts = torch.arange(b.numel(), device=b.device).split(WINDOWS_PER_PASS)
-            values = torch.cat([self.window(tokens[b[n]], c[b[n], j[n]], weights) for n in parts])
-            logits = values.new_zeros(B, c.size(1), values.size(-1)) if logits is None else logits
-            logits[b, j] = values
-        return logits
+            values = [self.window(tokens[b[n]], c[b[n], j[n]], weights, trajectory) for n in parts]
+            logits = torch.cat([v.logits for v in values])
+            if out is None:  # (every column a window's: no trajectory asked)
+                out = Pass(logits.new_zeros(B, c.size(1), logits.size(-1)))
+            out.logits[b, j] = logits
+            for k, z in enumerate(out.states or []):
+                z[b, j] = torch.cat([v.states[k] for v in values])
+        return out if columns is kept else out._replace(logits=out.logits[:, kept])
 
-    def window(self, tokens, c, weights):
+    def window(self, tokens, c, weights, trajectory=(False, False)):
         """The GPT flavour's logits (n, vocab) after real token number c (n,) of each row of tokens
-        (n, T), its real tokens first: the last block_size of them at positions 0..block_size-1."""
+        (n, T), its real tokens first: the last block_size of them at positions 0..block_size-1;
+        and that token's states there (n, C), where asked."""
         L, device = self.model.cfg.block_size, tokens.device
         cols = (c[:, None] - L) + torch.arange(L, device=device)  # (n, L)
         context = Context(torch.arange(L, device=device), last=True)
-        return self.run(tokens.gather(1, cols), weights, context)[:, 0]
+        out = self.run(tokens.gather(1, cols), weights, context, trajectory)
+        return Pass(out.logits[:, 0], out.states and [z[:, -1] for z in out.states])
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
                                       **kwargs):
@@ -320,3 +384,23 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         card = os.path.join(self.name_or_path, "README.md")
         if os.path.isfile(card) and not os.path.exists(os.path.join(save_directory, "README.md")):
             shutil.copyfile(card, os.path.join(save_directory, "README.md"))
+
+
+class DiffEqFormerModel(DiffEqFormerForCausalLM):
+    """The base model (AutoModel, pipeline("feature-extraction")), as GPT2Model is GPT-2's: the
+    same weights and pass, giving the last hidden state, ln_f(X(1)) (B, T, C), on which the head
+    reads the logits; the whole trajectory with output_hidden_states=True."""
+
+    @classmethod
+    def can_generate(cls):
+        return False  # (no logits: generate() needs DiffEqFormerForCausalLM)
+
+    @can_return_tuple  # return_dict=False: a tuple, as GPT2Model's
+    def forward(self, input_ids=None, attention_mask=None, cache=None, use_cache=None, **kwargs):
+        asked = kwargs.pop("output_hidden_states", None)
+        out = super().forward(input_ids, attention_mask, cache, use_cache,
+                              output_hidden_states=True, return_dict=True, **kwargs)
+        asked = self.config.output_hidden_states if asked is None else asked
+        return BaseModelOutputWithPast(last_hidden_state=out.hidden_states[-1], cache=out.cache,
+                                       hidden_states=out.hidden_states if asked else None,
+                                       attentions=out.attentions)

@@ -281,6 +281,24 @@ def test_checkpointed_steps_give_same_loss_and_gradients(model_type):
         assert torch.allclose(ga[name], gb[name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("model_type", ["diffeq", "baseline"])
+def test_a_checkpointed_pass_asked_for_its_trajectory_gives_it_once(model_type):
+    """With activation checkpointing in training, the evaluations whose attention probabilities are
+    asked are not recomputed in the backward pass (a recomputation would append them again): one
+    (B, nh, T, T) per evaluation, steps + 1 states, the loss and gradients of a plain pass."""
+    results = []
+    for ckpt in (False, True):
+        model = randomized(tiny(model_type=model_type, checkpoint=ckpt)).train()
+        states, attentions = [], []
+        _, loss = model(tokens(), targets=tokens(seed=2), states=states, attentions=attentions)
+        loss.backward()
+        assert len(states) == len(attentions) + 1 == TINY["n_layer"] + 1
+        assert all(a.shape == (2, TINY["n_head"], 16, 16) for a in attentions)
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, ga), (loss_b, gb) = results
+    assert loss_a == loss_b and all(torch.equal(a, b) for a, b in zip(ga, gb))
+
+
 @pytest.mark.parametrize("model_type,expected", [("diffeq", 0.0), ("shared", 0.0), ("baseline", 0.3)])
 def test_attention_probability_dropout_only_in_the_baselines(monkeypatch, model_type, expected):
     """METHOD 3: the reference ODE block applies no dropout to the attention probabilities."""

@@ -28,10 +28,11 @@ def integrated(model, x, rope, solver):
     return model.integrate(x, STEPS, solver, rope, 0.0)
 
 
-def by_hand(model, x, solver):
-    """integrate's three solvers written out on F(t, x) = model.vector_field_at (METHOD 6-8)."""
-    F, h = model.vector_field_at, 1.0 / STEPS
-    for k in range(STEPS):
+def by_hand(model, x, solver, steps=STEPS, states=None):
+    """integrate's three solvers written out on F(t, x) = model.vector_field_at (METHOD 6-8); the
+    state after each step appended to `states`, where given."""
+    F, h = model.vector_field_at, 1.0 / steps
+    for k in range(steps):
         t = k * h
         if solver == "euler":  # the weights at the END of the step
             x = x + h * F(t + h, x)
@@ -43,6 +44,8 @@ def by_hand(model, x, solver):
             k3 = F(t + h / 2, x + h / 2 * k2)
             k4 = F(t + h, x + h * k3)
             x = x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        if states is not None:
+            states.append(x)
     return x
 
 

@@ -5,6 +5,7 @@ ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_e
 scores the local tasks as this project's harness does. Skipped without transformers."""
 import glob
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -18,11 +19,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import analyze
 import checkpoints
 import export
 import sample
+from configurator import UserError
 from conftest import ROOT, TINY, tokenizer_or_skip
+from model import SOLVERS
 from test_export import KINDS, checkpoint, random_model, saved, same_tokens  # noqa: F401 (saved: a fixture)
+from test_odeint import by_hand
 
 transformers = pytest.importorskip("transformers")
 
@@ -550,13 +555,6 @@ def test_bad_arguments_are_one_line(exported):
         theirs(idx, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))  # two sequences packed
     with pytest.raises(ValueError, match=r"attention_mask is \(1, 5\): 0 cached and 8 new tokens need \(1, 8\)"):
         theirs(idx, attention_mask=torch.ones(1, 5))
-    for name in ("output_hidden_states", "output_attentions"):  # refused, not None without a word
-        with pytest.raises(ValueError, match=f"{name}=True: DiffEqFormer returns logits only"):
-            theirs(idx, **{name: True})
-        with pytest.raises(ValueError, match=f"{name}=True"):
-            auto(exported["diffeq"], **{name: True})(idx)
-        with pytest.raises(ValueError, match=f"{name}=True"):
-            theirs.generate(idx, max_new_tokens=2, return_dict_in_generate=True, **{name: True})
     cache = theirs(idx).cache  # 8 positions cached; 30 more go past the context of 32
     with pytest.raises(ValueError, match="re-reads each token's window: call it without a cache"):
         theirs(torch.zeros(1, 30, dtype=torch.long), cache=cache)
@@ -756,6 +754,276 @@ def test_a_depth_a_fixed_layer_kind_cannot_run_is_refused_at_load(kind, depth, a
                         classmethod(lambda *a, **k: pytest.fail("weights read")))
     with pytest.raises(ValueError, match=r"^a \w+ \(gpt\) model has \d fixed layers and runs them with euler only"):
         auto(exported[kind], **depth)
+
+
+# -- the trajectory: output_hidden_states, output_attentions, AutoModel ----------------------------
+
+def embedded(model, idx):
+    """X(0) of a batch idx (B, T) in the project's model, as analyze.py embeds one sequence."""
+    return torch.stack([analyze.embed(model, row) for row in idx])
+
+
+@pytest.mark.parametrize("kind,solver,steps", [("diffeq", "euler", 3), ("diffeq", "euler", 5),
+                                               ("diffeq", "midpoint", 2), ("diffeq", "rk4", 3),
+                                               ("shared", "rk4", 2)])
+def test_hidden_states_are_the_odes_states_step_by_step(kind, solver, steps, saved, exported):  # noqa: F811
+    """output_hidden_states=True: X(0), then the state after each solver step (steps + 1 of them),
+    each as written out apart from model.integrate (Euler: the layer outputs of the materialised
+    N-layer model; midpoint, RK4: on model.vector_field_at), the last after the final norm, on which
+    the head reads the logits (as GPT-2 and Llama give theirs)."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    theirs = auto(exported[kind], steps=steps, solver=solver)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        out = theirs(idx, output_hidden_states=True)
+        expected = [embedded(ours, idx)]
+        if solver == "euler":
+            layers = ours.materialize(steps)
+            for block in layers.layers:
+                expected.append(block(expected[-1], layers.cfg, None, 0.0))
+        else:
+            by_hand(ours, expected[0], solver, steps, expected)
+        expected[-1] = ours.ln_f(expected[-1])
+        assert len(out.hidden_states) == steps + 1
+        for k, (got, x) in enumerate(zip(out.hidden_states, expected)):
+            torch.testing.assert_close(got, x, rtol=1e-5, atol=1e-5, msg=f"X(t_{k})")
+        assert torch.equal(F.linear(out.hidden_states[-1], theirs.model.wte.weight), out.logits)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "materialized"])
+def test_hidden_states_of_a_model_of_layers_follow_its_layers(kind, saved, exported, tmp_path):  # noqa: F811
+    """A model of layers: X(0) and the state after each layer, the last after the final norm, as
+    transformers' GPT2LMHeadModel and LlamaForCausalLM give theirs on the same weights (--format=hf);
+    a materialised ODE's are the states of the ODE it was made from (the fixture's diffeq model at
+    4 Euler steps)."""
+    if kind == "materialized":
+        reference = auto(exported["diffeq"], steps=4)
+    else:
+        export.export(saved[kind], str(tmp_path), "hf")
+        reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        got, expected = (m(idx, output_hidden_states=True).hidden_states
+                         for m in (auto(exported[kind]), reference))
+    assert len(got) == len(expected) == (5 if kind == "materialized" else TINY["n_layer"] + 1)
+    for k, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"hidden state {k}")
+
+
+def explicit_softmax(calls):
+    """A stand-in for scaled_dot_product_attention that also appends to `calls` the probabilities
+    the kernel weights its values with, the kernel's own on identity values: P @ I = P."""
+    sdpa = F.scaled_dot_product_attention
+
+    def attend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
+        identity = torch.eye(k.size(-2), dtype=q.dtype).expand(*k.shape[:-1], -1)
+        calls.append(sdpa(q, k, identity, attn_mask=attn_mask, is_causal=is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+    return attend
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("kind,solver,steps", [("diffeq", "rk4", 2), ("llama", "euler", 3)])
+def test_attentions_are_each_evaluations_probabilities(kind, solver, steps, use_cache, exported):
+    """output_attentions=True: one (B, nh, T, S) per evaluation of F (an RK4 step has 4), each the
+    attention kernel's own probabilities under the same mask, computed only when asked; the logits
+    are those of a pass that asks for nothing."""
+    theirs = auto(exported[kind], steps=steps, solver=solver)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(14))
+    calls, softmax = [], []
+    with torch.no_grad(), mock.patch.object(F, "scaled_dot_product_attention", explicit_softmax(calls)), \
+            mock.patch.object(sys.modules[type(theirs.model).__module__], "attention_probs",
+                              wraps=sys.modules[type(theirs.model).__module__].attention_probs) as probs:
+        plain = theirs(idx, use_cache=use_cache).logits
+        assert probs.call_count == 0  # not asked: not computed
+        calls.clear()
+        out = theirs(idx, use_cache=use_cache, output_attentions=True)
+    n = steps * len(SOLVERS[solver]) if kind == "diffeq" else TINY["n_layer"]
+    assert len(out.attentions) == len(calls) == probs.call_count == n and out.hidden_states is None
+    for j, (got, expected) in enumerate(zip(out.attentions, calls)):
+        assert got.shape == (2, TINY["n_head"], 10, 10)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"evaluation {j}")
+    assert torch.equal(out.logits, plain)
+
+
+def test_attentions_of_an_euler_step_are_analyze_pys_at_its_state(saved, exported):  # noqa: F811
+    """At Euler step k the last position attends as analyze.py computes it from the state X(t_k)
+    (output_hidden_states) with that step's weights (last_position_attention, App. F)."""
+    ours, _ = checkpoints.load_model(saved["diffeq"])
+    idx = torch.randint(0, TINY["vocab_size"], (1, 10), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        out = auto(exported["diffeq"])(idx, output_hidden_states=True, output_attentions=True)
+        W = ours.step_weights(TINY["n_layer"], "euler")
+        for k, w in enumerate(W):
+            expected = analyze.last_position_attention(out.hidden_states[k][0], w, ours.cfg, None)
+            torch.testing.assert_close(out.attentions[k][0, :, -1], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_the_trajectory_of_a_padded_batch_is_each_prompts_alone(kind, side, exported):
+    """Prompts of 3 lengths padded on either side, through the cache and recomputed: every real
+    token's states and attention rows are those of its prompt alone, each key in its own column
+    (a pad's: 0); a pad's last state gives its logits (those of the last real token before it)."""
+    theirs = auto(exported[kind], **(dict(steps=2, solver="midpoint") if kind == "diffeq" else {}))
+    g = torch.Generator().manual_seed(16)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (5, 12, 9)]
+    ids, mask = padded(prompts, side)
+    asked = dict(output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():
+        batched = [theirs(ids, attention_mask=mask, use_cache=use_cache, **asked) for use_cache in (True, False)]
+        head = (theirs.model.lm_head or theirs.model.wte).weight
+        for out in batched:  # every column's, a pad's too (a leading pad's logits come from a pass
+            # of its own, recomputed: a matmul of another shape, float32's rounding apart)
+            torch.testing.assert_close(F.linear(out.hidden_states[-1], head), out.logits, rtol=1e-6, atol=1e-6)
+        for row, prompt in enumerate(prompts):
+            alone = theirs(torch.tensor([prompt]), **asked)
+            real = mask[row].bool()
+            for out in batched:
+                for got, expected in zip(out.hidden_states, alone.hidden_states):
+                    torch.testing.assert_close(got[row, real], expected[0], rtol=1e-5, atol=1e-5)
+                for got, expected in zip(out.attentions, alone.attentions):
+                    torch.testing.assert_close(got[row][:, real][..., real], expected[0], rtol=1e-5, atol=1e-6)
+                    assert got[row][:, real][..., ~real].eq(0).all()
+
+
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_generate_returns_the_trajectory_of_each_new_token_through_the_cache(kind, exported):
+    """generate(..., output_hidden_states=True, output_attentions=True): the prompt's trajectory,
+    then one position's per new token through the KV cache, each the one recomputed on the whole
+    sequence without a cache."""
+    theirs = auto(exported[kind], **(dict(steps=2, solver="rk4") if kind == "diffeq" else {}))
+    idx = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(17))
+    asked = dict(output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():
+        out = theirs.generate(idx, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **asked)
+        whole = theirs(out.sequences[:, :-1], use_cache=False, **asked)
+    assert len(out.hidden_states) == len(out.attentions) == 4
+    for i, (states, attentions) in enumerate(zip(out.hidden_states, out.attentions)):
+        at = slice(0, 7) if i == 0 else slice(6 + i, 7 + i)  # the prompt, then one new position
+        assert len(states) == len(whole.hidden_states) and len(attentions) == len(whole.attentions)
+        for got, expected in zip(states, whole.hidden_states):
+            torch.testing.assert_close(got, expected[:, at], rtol=1e-5, atol=1e-5)
+        for got, expected in zip(attentions, whole.attentions):
+            torch.testing.assert_close(got, expected[:, :, at, :at.stop], rtol=1e-5, atol=1e-6)
+
+
+def test_the_trajectory_past_a_llama_context_through_the_cache_is_the_recomputed_one(exported):
+    """An input longer than block_size through the cache goes in passes of block_size tokens: their
+    states and attentions (to every key of the input, 0 for those after a pass's tokens) are those
+    of the input read at once under the sliding window."""
+    theirs = auto(exported["llama"])
+    idx = torch.randint(0, TINY["vocab_size"], (2, TINY["block_size"] + 5),
+                        generator=torch.Generator().manual_seed(21))
+    asked = dict(output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():
+        cached, recomputed = (theirs(idx, use_cache=use_cache, **asked) for use_cache in (True, False))
+    assert cached.cache is not None and recomputed.cache is None
+    assert len(cached.attentions) == TINY["n_layer"] and cached.attentions[0].shape[-1] == idx.size(1)
+    for got, expected in zip(cached.hidden_states + cached.attentions,
+                             recomputed.hidden_states + recomputed.attentions):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_trajectory_carries_gradients(saved, exported):  # noqa: F811
+    """A loss on a hidden state X(t_k) back-propagates as the same loss on the states written out
+    on model.vector_field_at does: the same gradient for every weight (the hypernetwork's too)."""
+    ours, _ = checkpoints.load_model(saved["diffeq"])
+    theirs = auto(exported["diffeq"])
+    idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(18))
+    theirs(idx, output_hidden_states=True).hidden_states[2].square().sum().backward()
+    states = []
+    by_hand(ours, embedded(ours, idx), "euler", TINY["n_layer"], states)
+    states[1].square().sum().backward()  # X(t_2): after 2 steps
+    for name, p in ours.named_parameters():
+        mine = theirs.model.get_parameter(name).grad
+        expected = torch.zeros_like(p) if p.grad is None else p.grad
+        assert mine is not None or expected.eq(0).all(), name
+        torch.testing.assert_close(torch.zeros_like(p) if mine is None else mine, expected, rtol=1e-4, atol=1e-6, msg=name)
+    assert ours.hyper.attn.A_W.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["diffeq", "llama"])
+def test_automodel_and_feature_extraction_give_the_last_hidden_state(kind, saved, exported):  # noqa: F811
+    """AutoModel loads the folder as its base model (every weight from the folder, as GPT2Model
+    loads GPT-2's), whose last_hidden_state is the causal LM's last hidden state, the final norm of
+    X(1); pipeline("feature-extraction") gives it for a text."""
+    ours, _ = checkpoints.load_model(saved[kind])
+    base = transformers.AutoModel.from_pretrained(exported[kind], trust_remote_code=True)
+    assert type(base).__name__ == "DiffEqFormerModel" and not base.can_generate()
+    assert all(torch.equal(w, ours.state_dict()[name]) for name, w in base.model.state_dict().items())
+    ids = list(b"ROMEO:")
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        out = base(idx)
+        last = auto(exported[kind])(idx, output_hidden_states=True).hidden_states[-1]
+        states = []
+        ours(idx, states=states)
+        expected = ours.ln_f(states[-1])
+    assert out.hidden_states is None and torch.equal(out.last_hidden_state, last)
+    torch.testing.assert_close(out.last_hidden_state, expected, rtol=1e-5, atol=1e-5)
+    assert len(base(idx, output_hidden_states=True).hidden_states) == TINY["n_layer"] + 1
+    extractor = transformers.pipeline("feature-extraction", model=exported[kind], trust_remote_code=True)
+    assert type(extractor.model).__name__ == "DiffEqFormerModel"
+    torch.testing.assert_close(torch.tensor(extractor("ROMEO:")), last, rtol=1e-6, atol=1e-6)
+
+
+def test_the_configs_switches_ask_for_the_trajectory(exported):
+    """output_hidden_states and output_attentions given at load time (the config's) ask as the
+    forward's arguments do; the forward's False wins over the config."""
+    theirs = auto(exported["diffeq"], output_hidden_states=True, output_attentions=True)
+    idx = torch.randint(0, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(19))
+    with torch.no_grad():
+        out = theirs(idx)
+        assert len(out.hidden_states) == TINY["n_layer"] + 1 and len(out.attentions) == TINY["n_layer"]
+        out = theirs(idx, output_hidden_states=False, output_attentions=False)
+        assert out.hidden_states is None and out.attentions is None
+
+
+def test_hidden_states_past_a_gpt_flavour_context_are_each_windows(exported, monkeypatch):
+    """Past block_size a GPT-flavour token is read in its own window (its last block_size tokens):
+    its states are that window's last position's; attention maps, one per window, are refused in
+    one line, before any pass."""
+    theirs = auto(exported["diffeq"])
+    L = TINY["block_size"]
+    idx = torch.randint(0, TINY["vocab_size"], (2, L + 3), generator=torch.Generator().manual_seed(20))
+    with torch.no_grad():
+        out = theirs(idx, output_hidden_states=True)
+        assert out.hidden_states[0].shape == (2, L + 3, TINY["n_embd"])
+        for i in (L - 1, L, L + 2):
+            window = theirs(idx[:, max(0, i - L + 1):i + 1], output_hidden_states=True)
+            for got, expected in zip(out.hidden_states, window.hidden_states):
+                torch.testing.assert_close(got[:, i], expected[:, -1], rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(theirs.model, "forward", lambda *a, **k: pytest.fail("a pass began"))
+        with pytest.raises(ValueError, match=rf"^output_attentions=True past block_size={L}: a GPT-flavour "
+                                             rf"model reads each token there in a window of its own"):
+            theirs(idx, output_attentions=True)
+
+
+def test_the_logit_lens_reads_the_head_at_every_state(tmp_path, capsys):
+    """experiments/logit_lens.py: at every t_k the probability of the answer is the softmax of the
+    head on the state after the final norm; at t = 1 the model's own, at t = 0 the embedding's."""
+    from experiments import logit_lens
+    from test_sample import random_model, save_model
+    ours = random_model(vocab_size=256, block_size=32).float()
+    export.export(save_model(tmp_path / "ode.pt", ours), str(tmp_path / "folder"))
+    logit_lens.main([f"--init_from={tmp_path / 'folder'}", "--steps=3", "--solvers=euler,rk4", "--prompt=ROMEO",
+                     "--answer=:", "--windows=2", f"--out={tmp_path / 'lens'}"])
+    assert "euler: 4 states; the lens at t=1 is the model's own log-probabilities (max |difference| 0.0e+00)" \
+        in capsys.readouterr().out
+    saved = json.load(open(tmp_path / "lens" / "logit_lens.json"))
+    assert saved["t"] == [0, 1 / 3, 2 / 3, 1] and os.path.getsize(tmp_path / "lens" / "logit_lens.png") > 0
+    idx = torch.tensor([list(b"ROMEO")])
+    with torch.no_grad():
+        for solver in ("euler", "rk4"):
+            p = saved["results"][solver]["answer"]
+            assert len(p) == 4 and len(saved["results"][solver]["next_token"]) == 4
+            last = ours(idx, steps=3, solver=solver)[0][0, -1].softmax(-1)[ord(":")]
+            assert p[-1] == pytest.approx(last.item(), rel=1e-5)
+        first = F.linear(ours.ln_f(embedded(ours, idx)), ours.wte.weight)[0, -1].softmax(-1)[ord(":")]
+        assert p[0] == pytest.approx(first.item(), rel=1e-5)
+    with pytest.raises(UserError, match=r"^--answer='ab' is 2 tokens: give one$"):
+        logit_lens.main([f"--init_from={tmp_path / 'folder'}", "--answer=ab", f"--out={tmp_path / 'lens'}"])
 
 
 # -- the folder's card and lm-eval's command ------------------------------------------------------
