@@ -676,8 +676,9 @@ def test_resize_token_embeddings_resizes_and_the_folder_loads_everywhere(kind, s
     """resize_token_embeddings(100) (a tokenizer with 4 tokens more): the embeddings, the Llama head
     and model.py's config resized, the old tokens' logits unchanged; saved, the folder loads in
     transformers, checkpoints.load_model, sample.py and export.py with the same logits. With
-    pad_to_multiple_of the padded rows never get probability; mean_resizing=False draws the new
-    rows as model.py draws an embedding (std 0.02)."""
+    pad_to_multiple_of the padded rows never get probability, saved and loaded again too, nor after
+    a resize that only pads further (no new_num_tokens: the tokenizer's vocabulary stays);
+    mean_resizing=False draws the new rows as model.py draws an embedding (std 0.02)."""
     theirs = auto(exported[kind])
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(18))
     with torch.no_grad():
@@ -703,6 +704,32 @@ def test_resize_token_embeddings_resizes_and_the_folder_loads_everywhere(kind, s
         wide = padded_rows(idx).logits
     assert wide.shape[-1] == 128 and wide[..., 100:].eq(-float("inf")).all() and wide[..., :100].isfinite().all()
     assert abs(padded_rows.model.wte.weight[96:].std().item() - 0.02) < 0.003
+    padded_rows.save_pretrained(tmp_path / "padded")
+    padded_rows = auto(tmp_path / "padded")
+    with torch.no_grad():
+        assert torch.equal(padded_rows(idx).logits, wide)  # (the rows past 100 still -inf)
+        padded_rows.resize_token_embeddings(pad_to_multiple_of=256, mean_resizing=False)
+        wider = padded_rows(idx).logits
+    assert padded_rows.model.cfg.tokenizer_vocab == 100 and wider.shape[-1] == 256
+    assert torch.equal(wider[..., :128], wide) and wider[..., 128:].eq(-float("inf")).all()
+
+
+def test_set_input_and_output_embeddings_put_the_modules_given_in_place(exported):
+    """set_input_embeddings and set_output_embeddings put the very modules given into the model, as
+    transformers' models do (a user's own embedding: a subclass, one with hooks): the get_ methods
+    give them back and the forward calls them."""
+    theirs = auto(exported["llama"])
+    V, C = TINY["vocab_size"], TINY["n_embd"]
+    wte, head = torch.nn.Embedding(V, C), torch.nn.Linear(C, V, bias=False)
+    theirs.set_input_embeddings(wte)
+    theirs.set_output_embeddings(head)
+    assert theirs.get_input_embeddings() is wte and theirs.get_output_embeddings() is head
+    called = []
+    for m in (wte, head):
+        m.register_forward_hook(lambda m, args, out: called.append(m))
+    with torch.no_grad():
+        theirs(torch.tensor([[1, 2, 3]]))
+    assert called == [wte, head]
 
 
 def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
@@ -718,9 +745,10 @@ def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
 
 
 def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_path):  # noqa: F811
-    """position_ids as transformers makes them (the mask's count, 0 at pads; continuing a cache)
-    give the logits without them, and the folder runs as assistant_model of its own --format=hf
-    twin (transformers passes the draft model position_ids): the target's greedy tokens."""
+    """position_ids as transformers makes them (the mask's count, 0 at pads; continuing a cache;
+    one row of them, arange(T)[None], for a batch without pads) give the logits without them, and
+    the folder runs as assistant_model of its own --format=hf twin (transformers passes the draft
+    model position_ids): the target's greedy tokens."""
     theirs = auto(exported["llama"])
     g = torch.Generator().manual_seed(20)
     ids, mask = padded([torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in (10, 6)], "left")
@@ -732,6 +760,9 @@ def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_pa
         cache = theirs(ids[:1, :6]).cache  # then 4 more tokens at positions 6..9
         continued = theirs(ids[:1, 6:], cache=cache, position_ids=torch.arange(6, 10)[None]).logits
         torch.testing.assert_close(continued, expected[:1, 6:], rtol=1e-5, atol=1e-5)
+        rows = torch.randint(1, TINY["vocab_size"], (2, 8), generator=g)  # (broadcast over the batch)
+        broadcast = theirs(rows, position_ids=torch.arange(8)[None]).logits
+        torch.testing.assert_close(broadcast, theirs(rows).logits, rtol=0, atol=0)
         export.export(saved["llama"], str(tmp_path / "twin"), "hf")
         target = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "twin")
         prompt = ids[:1]
