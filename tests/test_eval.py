@@ -159,17 +159,21 @@ def test_a_continuation_longer_than_the_context_is_one_line_naming_the_task(tmp_
     """experiments.eval on a model of a short context (--block_size=32 against the shakespeare tasks): "ValueError:
     a continuation of 51 tokens does not fit in block_size=32" as a traceback, also with --compare and adapters.
     One line that names the task and the context, before any forward pass; nothing written (--out is made and
-    checked before the evaluation: empty)."""
+    checked before the evaluation: empty). With several tasks, the line names the one whose continuation it is:
+    at block_size=9, tiny_cloze's longest (" question", 9 tokens) fits, tiny_choice's " an elephant" does not."""
     from experiments import eval
     from test_faults import one_line
     short = save_model(tmp_path / "short.pt", random_model(vocab_size=256, block_size=8))  # " an elephant"
+    nine = save_model(tmp_path / "nine.pt", random_model(vocab_size=256, block_size=9))
     no_work(monkeypatch, eval.CheckpointLM, "logprobs")
-    for compare in ([], [f"--compare={short}"]):
-        argv = [f"--init_from={short}", *compare, "--tasks=tiny_choice", f"--include_path={TASK_DIR}",
+    for model, compare, tasks in ((short, [], "tiny_choice"), (short, [f"--compare={short}"], "tiny_choice"),
+                                  (nine, [], "tiny_cloze,tiny_choice"), (nine, [], "tiny_choice,tiny_cloze")):
+        argv = [f"--init_from={model}", *compare, f"--tasks={tasks}", f"--include_path={TASK_DIR}",
                 f"--out={tmp_path / 'out'}", "--device=cpu"]
         assert one_line(eval.main, argv, capsys, monkeypatch) == (
-            "error: task tiny_choice: a continuation of 12 tokens does not fit in the model's context of "
-            "block_size=8 tokens: evaluate it with a model of a longer context, or leave the task out")
+            f"error: task tiny_choice: a continuation of 12 tokens does not fit in the model's context of "
+            f"block_size={8 if model == short else 9} tokens: evaluate it with a model of a longer context, or "
+            f"leave the task out")
     assert os.listdir(tmp_path / "out") == []
 
 

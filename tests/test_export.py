@@ -105,6 +105,9 @@ def test_config_json_and_model_card(saved, tmp_path):
     for words in ("Neural ODE Transformers", f"{TINY['n_layer']} euler steps",
                   "2.5000 nats per token", "checkpoints.load_model(DIR)"):
         assert words in card
+    # a checkpoint that records no training (no train_config, no source) says so, not "None."
+    assert config["training"] is None
+    assert f"## Training\n\nNot recorded in the checkpoint. Exported from `{saved['diffeq']}`." in card
 
 
 @pytest.mark.parametrize("kind", ["diffeq", "adapters"])
@@ -442,6 +445,33 @@ def test_push_to_hub_offline_is_one_line(saved, capsys, monkeypatch, tmp_path):
     err = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={tmp_path}",
                                  "--push_to_hub=someone/model"], capsys, monkeypatch)
     assert "could not push" in err and "`hf auth login`" in err
+
+
+def test_push_to_hub_uploads_the_export_but_not_its_lock_files(saved, tmp_path, monkeypatch, capsys):
+    """--push_to_hub uploaded the folder whole: .lock and .lock.pid, which the export's lock leaves
+    in it, went to the Hub repository too. The upload sees the folder as huggingface_hub filters it."""
+    import types
+
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+    hub = {}
+
+    class Hub:
+        def create_repo(self, repo_id, exist_ok=False):
+            hub["repo"] = repo_id
+
+        def upload_folder(self, folder_path, repo_id, ignore_patterns=None):
+            files = os.listdir(folder_path)  # an export is flat
+            hub["files"] = sorted(filter_repo_objects(files, ignore_patterns=ignore_patterns))
+            return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
+    monkeypatch.setattr(huggingface_hub, "HfApi", Hub)
+    out = tmp_path / "exp"
+    export.main([f"--init_from={saved['gpt']}", f"--out={out}", "--push_to_hub=someone/model"])
+    assert {".lock", ".lock.pid"} <= set(os.listdir(out))  # the lock's files stay in the folder
+    assert hub == dict(repo="someone/model", files=sorted(set(os.listdir(out)) - {".lock", ".lock.pid"}))
+    assert "model.safetensors" in hub["files"]
+    pushed = capsys.readouterr().out.splitlines()[-1]
+    assert pushed == "pushed to the Hub: https://huggingface.co/someone/model/commit/1"
 
 
 def test_without_transformers_hf_is_one_line(saved, tmp_path, monkeypatch):

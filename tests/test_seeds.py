@@ -3,6 +3,7 @@ one line before any work."""
 import errno
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -66,9 +67,20 @@ def test_a_bad_flag_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, f
 
 def test_the_seeds_take_every_scripts_seed_rule(tmp_path, capsys, monkeypatch):
     """--seeds=0 was refused ("within 1..2147483648") where every script's --seed is 0..2^32-1: one
-    rule, at both of its ends."""
+    rule, at both of its ends, for the config and for the jobs that main builds from it."""
     for accepted in ("0", "0-2", "4294967295"):
         seeds.SeedsConfig(seeds=accepted)
+    started = []
+
+    def run(jobs, *args):
+        started.extend(job.argv[1] for job in jobs)
+        return []
+    monkeypatch.setattr(seeds, "run", run)
+    for accepted in ("0-1", "4294967295"):
+        seeds.main([f"--seeds={accepted}", "--draws=1", f"--runs={tmp_path / 'runs'}",
+                    f"--out={tmp_path / 'runs' / 's.json'}"])
+    assert started == ["--seed=0", "--seed=1", "--seed=4294967295"]
+    shutil.rmtree(tmp_path / "runs")
     for work in ("initial_weights", "run"):
         monkeypatch.setattr(seeds, work, lambda *a: pytest.fail("work began"))
     argv = ["--seeds=4294967295-4294967296", f"--runs={tmp_path / 'runs'}",
