@@ -50,8 +50,7 @@ class SeedsConfig:
     data_root: str = "data"
 
     def __post_init__(self):
-        # every --seed's rule (0..2^32-1); a ValueError: one line, before any work
-        lo, hi = int_range(self.seeds, "seeds", SEEDS - 1, 0)
+        seeds = self.seed_range()  # a ValueError: one line, before any work
         draws = self.draws.split(",")
         if not all(d.strip() in map(str, DRAWS) for d in draws) or len(set(draws)) < len(draws):
             which = "; ".join(f"{d}: {what}" for d, what in DRAWS.items())
@@ -59,10 +58,15 @@ class SeedsConfig:
                              f"apart by commas ({which})")
         if self.jobs < 1:
             raise ValueError(f"jobs={self.jobs} must be at least 1")
-        runs = (hi - lo + 1) * len(draws)
+        runs = len(seeds) * len(draws)
         if runs > MAX_RUNS:
             raise ValueError(f"seeds={self.seeds} x draws={self.draws} is {runs:,} runs, more "
                              f"than {MAX_RUNS:,} (~2 weeks on 2 cores): choose a shorter range")
+
+    def seed_range(self):
+        """The seeds --seeds names, each under every --seed's rule (0..2^32-1)."""
+        lo, hi = int_range(self.seeds, "seeds", SEEDS - 1, 0)
+        return range(lo, hi + 1)
 
 
 def initial_weights(seed, draw, path):
@@ -140,8 +144,7 @@ def main(argv):
     cfg, _ = parse_config(argv, SeedsConfig)
     cfg.out = os.path.abspath(cfg.out)
     os.chdir(ROOT)  # --runs and --data_root are the repository's, as the jobs (run there) see them
-    lo, hi = int_range(cfg.seeds, "seeds", SEEDS - 1, 0)
-    seeds, draws = range(lo, hi + 1), [int(d) for d in cfg.draws.split(",")]
+    seeds, draws = cfg.seed_range(), [int(d) for d in cfg.draws.split(",")]
     make_dir(cfg.runs, "runs")  # read-only, or a file in the way: one line, before any work
     make_dir(os.path.dirname(cfg.out), "out")
     held = read_record(cfg.out)
