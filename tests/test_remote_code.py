@@ -1001,6 +1001,59 @@ def test_hidden_states_past_a_gpt_flavour_context_are_each_windows(exported, mon
             theirs(idx, output_attentions=True)
 
 
+# (issue 48 item 11, the outsider's bugs: logits_to_keep, a leading pad, the base model's config)
+
+@pytest.mark.parametrize("asked", ["output_hidden_states", "output_attentions"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_logits_to_keep_keeps_the_trajectory_of_every_column(asked, use_cache, exported):
+    """logits_to_keep=k gives the last k positions' logits only, and the trajectory asked (either
+    half alone) of every column, with the cache or without: those of a pass that keeps every
+    logit."""
+    theirs = auto(exported["diffeq"], steps=2, solver="midpoint")
+    idx = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(22))
+    ids, mask = idx.clone(), torch.ones_like(idx)
+    ids[0, :3], mask[0, :3] = 0, 0  # a left-padded row too
+    with torch.no_grad():
+        whole, kept = (theirs(ids, attention_mask=mask, use_cache=use_cache, logits_to_keep=k,
+                              **{asked: True}) for k in (0, 3))
+    assert torch.equal(kept.logits, whole.logits[:, -3:])
+    got, expected = ((out.hidden_states or ()) + (out.attentions or ()) for out in (kept, whole))
+    assert len(got) == len(expected) > 0 and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_leading_pads_trajectory_is_its_own_alone_with_the_cache_or_without(exported):
+    """A pad before every real token of its row is read alone at position 0, through the cache or
+    recomputed: its logits and states are those of its token alone, its attention row is 1 on its
+    own key only."""
+    theirs = auto(exported["diffeq"], steps=2, solver="midpoint")
+    ids = torch.tensor([[5, 7, 11, 12, 13], [20, 21, 22, 23, 24]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    asked = dict(output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():
+        alone = [theirs(ids[:1, j:j + 1], **asked) for j in (0, 1)]  # each pad's token alone
+        for use_cache in (True, False):
+            out = theirs(ids, attention_mask=mask, use_cache=use_cache, **asked)
+            for j, own in enumerate(alone):
+                torch.testing.assert_close(out.logits[0, j], own.logits[0, 0], rtol=1e-5, atol=1e-5)
+                for got, expected in zip(out.hidden_states, own.hidden_states, strict=True):
+                    torch.testing.assert_close(got[0, j], expected[0, 0], rtol=1e-5, atol=1e-5)
+                itself = F.one_hot(torch.tensor(j), 5).float()  # (S,): its own key only
+                assert all(torch.equal(a[0, h, j], itself) for a in out.attentions for h in range(TINY["n_head"]))
+
+
+def test_the_base_models_config_asks_for_the_hidden_states(exported):
+    """AutoModel with output_hidden_states=True at load time (the config's) gives the trajectory
+    unasked, as GPT2Model does; the forward's False wins over the config."""
+    base = transformers.AutoModel.from_pretrained(exported["diffeq"], trust_remote_code=True,
+                                                  output_hidden_states=True)
+    idx = torch.randint(0, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(23))
+    with torch.no_grad():
+        out = base(idx)
+        assert len(out.hidden_states) == TINY["n_layer"] + 1
+        assert torch.equal(out.hidden_states[-1], out.last_hidden_state)
+        assert base(idx, output_hidden_states=False).hidden_states is None
+
+
 def lens_text(folder):
     """The tokens of the text whose end experiments/logit_lens.py cuts its windows from."""
     from experiments import logit_lens
