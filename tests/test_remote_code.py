@@ -854,11 +854,12 @@ def explicit_softmax(calls):
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-@pytest.mark.parametrize("kind,solver,steps", [("diffeq", "rk4", 2), ("llama", "euler", 3)])
+@pytest.mark.parametrize("kind,solver,steps", [("diffeq", "rk4", 2), ("llama", "euler", 3),
+                                               ("materialized", "euler", 4)])
 def test_attentions_are_each_evaluations_probabilities(kind, solver, steps, use_cache, exported):
-    """output_attentions=True: one (B, nh, T, S) per evaluation of F (an RK4 step has 4), each the
-    attention kernel's own probabilities under the same mask, computed only when asked; the logits
-    are those of a pass that asks for nothing."""
+    """output_attentions=True: one (B, nh, T, S) per evaluation of F (an RK4 step has 4, a layer
+    of a baseline or a materialised ODE 1), each the attention kernel's own probabilities under the
+    same mask, computed only when asked; the logits are those of a pass that asks for nothing."""
     theirs = auto(exported[kind], steps=steps, solver=solver)
     idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(14))
     calls, softmax = [], []
@@ -869,7 +870,7 @@ def test_attentions_are_each_evaluations_probabilities(kind, solver, steps, use_
         assert probs.call_count == 0  # not asked: not computed
         calls.clear()
         out = theirs(idx, use_cache=use_cache, output_attentions=True)
-    n = steps * len(SOLVERS[solver]) if kind == "diffeq" else TINY["n_layer"]
+    n = steps * len(SOLVERS[solver])  # (a model of layers: its n_layer Euler steps)
     assert len(out.attentions) == len(calls) == probs.call_count == n and out.hidden_states is None
     for j, (got, expected) in enumerate(zip(out.attentions, calls)):
         assert got.shape == (2, TINY["n_head"], 10, 10)
@@ -1031,30 +1032,131 @@ def test_hidden_states_past_a_gpt_flavour_context_are_each_windows(exported, mon
             theirs(idx, output_attentions=True)
 
 
-def test_the_logit_lens_reads_the_head_at_every_state(tmp_path, capsys):
+# (issue 48 item 11, the outsider's bugs: logits_to_keep, a leading pad, the base model's config)
+
+@pytest.mark.parametrize("asked", ["output_hidden_states", "output_attentions"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_logits_to_keep_keeps_the_trajectory_of_every_column(asked, use_cache, exported):
+    """logits_to_keep=k gives the last k positions' logits only, and the trajectory asked (either
+    half alone) of every column, with the cache or without: those of a pass that keeps every
+    logit."""
+    theirs = auto(exported["diffeq"], steps=2, solver="midpoint")
+    idx = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(22))
+    ids, mask = idx.clone(), torch.ones_like(idx)
+    ids[0, :3], mask[0, :3] = 0, 0  # a left-padded row too
+    with torch.no_grad():
+        whole, kept = (theirs(ids, attention_mask=mask, use_cache=use_cache, logits_to_keep=k,
+                              **{asked: True}) for k in (0, 3))
+    assert torch.equal(kept.logits, whole.logits[:, -3:])
+    got, expected = ((out.hidden_states or ()) + (out.attentions or ()) for out in (kept, whole))
+    assert len(got) == len(expected) > 0 and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_leading_pads_trajectory_is_its_own_alone_with_the_cache_or_without(exported):
+    """A pad before every real token of its row is read alone at position 0, through the cache or
+    recomputed: its logits and states are those of its token alone, its attention row is 1 on its
+    own key only."""
+    theirs = auto(exported["diffeq"], steps=2, solver="midpoint")
+    ids = torch.tensor([[5, 7, 11, 12, 13], [20, 21, 22, 23, 24]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    asked = dict(output_hidden_states=True, output_attentions=True)
+    with torch.no_grad():
+        alone = [theirs(ids[:1, j:j + 1], **asked) for j in (0, 1)]  # each pad's token alone
+        for use_cache in (True, False):
+            out = theirs(ids, attention_mask=mask, use_cache=use_cache, **asked)
+            for j, own in enumerate(alone):
+                torch.testing.assert_close(out.logits[0, j], own.logits[0, 0], rtol=1e-5, atol=1e-5)
+                for got, expected in zip(out.hidden_states, own.hidden_states, strict=True):
+                    torch.testing.assert_close(got[0, j], expected[0, 0], rtol=1e-5, atol=1e-5)
+                itself = F.one_hot(torch.tensor(j), 5).float()  # (S,): its own key only
+                assert all(torch.equal(a[0, h, j], itself) for a in out.attentions for h in range(TINY["n_head"]))
+
+
+def test_the_base_models_config_asks_for_the_hidden_states(exported):
+    """AutoModel with output_hidden_states=True at load time (the config's) gives the trajectory
+    unasked, as GPT2Model does; the forward's False wins over the config."""
+    base = transformers.AutoModel.from_pretrained(exported["diffeq"], trust_remote_code=True,
+                                                  output_hidden_states=True)
+    idx = torch.randint(0, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(23))
+    with torch.no_grad():
+        out = base(idx)
+        assert len(out.hidden_states) == TINY["n_layer"] + 1
+        assert torch.equal(out.hidden_states[-1], out.last_hidden_state)
+        assert base(idx, output_hidden_states=False).hidden_states is None
+
+
+def lens_text(folder):
+    """The tokens of the text whose end experiments/logit_lens.py cuts its windows from."""
+    from experiments import logit_lens
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    return tokenizer(open(logit_lens.TEXT).read()[-20000:])["input_ids"]
+
+
+@pytest.mark.parametrize("flavor", ["gpt", "llama"])
+def test_the_logit_lens_reads_the_head_at_every_state(flavor, tmp_path, capsys, monkeypatch):
     """experiments/logit_lens.py: at every t_k the probability of the answer is the softmax of the
-    head on the state after the final norm; at t = 1 the model's own, at t = 0 the embedding's."""
+    head (a Llama's own, untied) on the state after the final norm; at t = 1 the model's own, for
+    the answer and for the next token of every window, at t = 0 the embedding's; the figure draws
+    the answer's in its left panel, the next token's in its right."""
     from experiments import logit_lens
     from test_sample import random_model, save_model
-    ours = random_model(vocab_size=256, block_size=32).float()
-    export.export(save_model(tmp_path / "ode.pt", ours), str(tmp_path / "folder"))
-    logit_lens.main([f"--init_from={tmp_path / 'folder'}", "--steps=3", "--solvers=euler,rk4", "--prompt=ROMEO",
+    ours = random_model(flavor=flavor, vocab_size=256, block_size=32).float()
+    folder = str(tmp_path / "folder")
+    export.export(save_model(tmp_path / "ode.pt", ours), folder)
+    figures, save = [], logit_lens.plots.save_figure
+
+    def kept_and_saved(fig, path):  # the figure drawn, kept to read its lines
+        figures.append(fig)
+        save(fig, path)
+    monkeypatch.setattr(logit_lens.plots, "save_figure", kept_and_saved)
+    logit_lens.main([f"--init_from={folder}", "--steps=3", "--solvers=euler,rk4", "--prompt=ROMEO",
                      "--answer=:", "--windows=2", f"--out={tmp_path / 'lens'}"])
     assert "euler: 4 states; the lens at t=1 is the model's own log-probabilities (max |difference| 0.0e+00)" \
         in capsys.readouterr().out
     saved = json.load(open(tmp_path / "lens" / "logit_lens.json"))
     assert saved["t"] == [0, 1 / 3, 2 / 3, 1] and os.path.getsize(tmp_path / "lens" / "logit_lens.png") > 0
     idx = torch.tensor([list(b"ROMEO")])
+    windows = torch.tensor(lens_text(folder)[-2 * 33:]).view(2, 33)  # 2 windows of block_size + 1 tokens
+    head = ours.wte.weight if ours.lm_head is None else ours.lm_head.weight
     with torch.no_grad():
         for solver in ("euler", "rk4"):
-            p = saved["results"][solver]["answer"]
-            assert len(p) == 4 and len(saved["results"][solver]["next_token"]) == 4
+            p, next_p = (saved["results"][solver][name] for name in ("answer", "next_token"))
+            assert len(p) == len(next_p) == 4
             last = ours(idx, steps=3, solver=solver)[0][0, -1].softmax(-1)[ord(":")]
             assert p[-1] == pytest.approx(last.item(), rel=1e-5)
-        first = F.linear(ours.ln_f(embedded(ours, idx)), ours.wte.weight)[0, -1].softmax(-1)[ord(":")]
+            own = ours(windows[:, :-1], steps=3, solver=solver)[0].softmax(-1)
+            assert next_p[-1] == pytest.approx(own.gather(-1, windows[:, 1:, None]).mean().item(), rel=1e-5)
+        first = F.linear(ours.ln_f(embedded(ours, idx)), head)[0, -1].softmax(-1)[ord(":")]
         assert p[0] == pytest.approx(first.item(), rel=1e-5)
-    with pytest.raises(UserError, match=r"^--answer='ab' is 2 tokens: give one$"):
-        logit_lens.main([f"--init_from={tmp_path / 'folder'}", "--answer=ab", f"--out={tmp_path / 'lens'}"])
+    (figure,) = figures
+    for panel, name in zip(figure.axes, ("answer", "next_token")):  # each solver's line
+        assert [list(line.get_ydata()) for line in panel.lines] == [r[name] for r in saved["results"].values()]
+
+
+@pytest.mark.parametrize("answer,over,refused", [
+    ("ab", None, "--answer='ab' is 2 tokens: give one"), ("", None, "--answer='' is 0 tokens: give one"),
+    (":", 0, None), (":", 1, "--windows={windows}: the text holds {most} windows of 33 tokens")],
+    ids=["two-tokens", "no-token", "the-most-windows", "one-window-more"])
+def test_the_logit_lens_refuses_an_answer_of_other_than_one_token_or_too_many_windows_in_one_line(
+        answer, over, refused, exported, tmp_path, monkeypatch):
+    """An answer of 0 or 2 tokens, and more windows of block_size + 1 tokens than the text holds
+    (`over` more than it holds), are refused in one line, before any model is loaded or anything
+    written; the most it holds are taken."""
+    from experiments import logit_lens
+    most = len(lens_text(exported["diffeq"])) // (TINY["block_size"] + 1)
+    windows = 1 if over is None else most + over
+    loaded = mock.Mock(side_effect=RuntimeError("a model was loaded"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    args = [f"--init_from={exported['diffeq']}", "--prompt=ROMEO", f"--answer={answer}",
+            f"--windows={windows}", f"--out={tmp_path / 'lens'}"]
+    if refused is None:
+        with pytest.raises(RuntimeError, match="^a model was loaded$"):
+            logit_lens.main(args)
+    else:
+        refused = refused.format(windows=windows, most=most)
+        with pytest.raises(UserError, match=f"^{re.escape(refused)}$"):
+            logit_lens.main(args)
+        assert not loaded.called and not (tmp_path / "lens").exists()
 
 
 # -- the folder's card and lm-eval's command ------------------------------------------------------
