@@ -126,8 +126,12 @@ def load_folder(path):
     if weights and all(k.startswith("model.") for k in weights):
         weights = {k[len("model."):]: w for k, w in weights.items()}
     model_config, depth = config["model_config"], (config.get("steps"), config.get("solver"))
+    if not isinstance(model_config, dict):  # (a list, a string: with a depth or without, one line)
+        raise UserError(f"{path}/config.json: its model_config is no object of the model's settings "
+                        f"(a JSON {type(model_config).__name__}): not a complete export; export the "
+                        f"checkpoint again")
     if depth != (None, None):  # saved after from_pretrained(DIR, steps=, solver=): the depth it ran
-        try:  # a model_config that is no object, or holds an unknown key: a TypeError
+        try:  # a model_config that holds an unknown key: a TypeError
             steps, solver = ModelConfig(**model_config).depth(*depth)
         except (TypeError, ValueError) as e:
             raise UserError(f"{path}/config.json: {e}") from None

@@ -191,12 +191,16 @@ class Batches:
 
 # -- the run: its lock on out_dir, and Ctrl-C ------------------------------------------------------
 
+LOCK_FILES = (".lock", ".lock.pid")  # what lock() writes into out_dir
+
+
 def lock(out_dir, flag="out_dir"):
     """Claim out_dir (which --{flag} names) for this run: a lock on out_dir/.lock through filelock
     (flock on Linux and macOS, msvcrt on Windows), held until release() or the end of the process,
     so that a killed run leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a
     run that is refused. Then remove the temporary files that a killed run left behind: those of
     the files a run writes (RUN_FILES, .lock.pid), by their exact names, never a user's *.tmp."""
+    made = not os.path.isdir(out_dir)
     make_dir(out_dir, flag)
     held = filelock.FileLock(os.path.join(out_dir, ".lock"), timeout=0)  # 0: one try, no waiting
     pid_file = os.path.join(out_dir, ".lock.pid")
@@ -204,17 +208,38 @@ def lock(out_dir, flag="out_dir"):
         held.acquire()
     except filelock.Timeout:
         raise in_use(out_dir, flag) from None
+    claim = Claim(held, out_dir, made)
     try:
         with written(pid_file) as tmp, open(tmp, "w") as f:  # a full disk: one line, no empty file
             f.write(f"pid {os.getpid()}")
     except UserError:
-        held.release()
+        claim.release()
         raise
     for name in os.listdir(out_dir):  # FILE.tmp (written(), RunLog) or FILE.tmpPID (save())
         temporary = re.fullmatch(r"(.+)\.tmp\d*", name)
         if temporary and temporary.group(1) in (*RUN_FILES, ".lock.pid"):
             os.remove(os.path.join(out_dir, name))
-    return held
+    return claim
+
+
+class Claim:
+    """A run's hold on out_dir (lock): release() ends it, and where the run made out_dir and left
+    nothing there but LOCK_FILES (refused after its claim: a --dataset that does not exist, a
+    checkpoint that does not load), removes out_dir again, as if the run had never begun."""
+
+    def __init__(self, held, out_dir, made):
+        self.held, self.out_dir, self.made = held, out_dir, made
+
+    def release(self):
+        empty = self.made and set(os.listdir(self.out_dir)) <= set(LOCK_FILES)
+        if empty:  # the lock's files go while it is held, before any other run can claim them
+            for name in LOCK_FILES:
+                with contextlib.suppress(OSError):  # (Windows: an open file stays, and the folder)
+                    os.remove(os.path.join(self.out_dir, name))
+        self.held.release()
+        if empty:
+            with contextlib.suppress(OSError):  # another run made a file there meanwhile: its own
+                os.rmdir(self.out_dir)
 
 
 class Interrupt:

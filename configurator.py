@@ -10,21 +10,42 @@ dataclass field that owns it and coerced to that field's type; an unknown key or
 ConfigError that names the valid keys; `--help` lists every key with its default. nanoGPT's
 exec-based configurator accepts typos and rejects `--steps 9` or `--lora`; this one does neither.
 """
-import ast
-import contextlib
-import dataclasses
-import errno
-import inspect
-import math
 import os
-import re
 import signal
 import sys
-import time
-import types
-import typing
 
-import filelock
+
+# Every script imports this module first, and these rules come before its other imports (and
+# numpy's and torch's, seconds under load): only the interpreter's own start is left before them.
+def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
+    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main catches it
+    (while a script imports torch, seconds under load) is one line, not a traceback; Python then
+    ends the process by SIGINT (status 130 in a shell), as after any Ctrl-C."""
+    if not issubclass(kind, KeyboardInterrupt):
+        print_traceback(kind, value, traceback)
+    elif int(os.environ.get("RANK", 0)) == 0:
+        print("stopped by Ctrl-C", file=sys.stderr)
+
+
+sys.excepthook = say_ctrl_c
+# A process that a shell without job control (a script) starts in the background inherits SIGINT
+# ignored: restored here, so that SIGINT stops it from the start
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+import ast  # noqa: E402  (the rest of the imports after the Ctrl-C rules above)
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import errno  # noqa: E402
+import inspect  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+import typing  # noqa: E402
+
+import filelock  # noqa: E402
 
 
 class UserError(Exception):
@@ -101,10 +122,10 @@ def in_use(out_dir, flag="out_dir"):
                      f"finish or choose another --{flag}")
 
 
-# the repository's own folders (what a clone holds; out*/ and runs/ are the runs'): no run or
-# export writes into them, nor into the repository's root
-OWN_FOLDERS = (".ci", "assets", "config", "data", "docs", "experiments", "remote", "results",
-               "scale", "tests")
+# the repository's own folders (what a clone holds, and git's own; out*/ and runs/ are the runs'):
+# no run or export writes into them, nor into the repository's root
+OWN_FOLDERS = (".ci", ".git", "assets", "config", "data", "docs", "experiments", "remote",
+               "results", "scale", "tests")
 
 
 def check_own_folder(path, flag):
@@ -410,23 +431,6 @@ def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return (*instances, given)
-
-
-def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
-    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main catches it
-    (while a script imports torch, seconds under load) is one line, not a traceback; Python then
-    ends the process by SIGINT (status 130 in a shell), as after any Ctrl-C."""
-    if not issubclass(kind, KeyboardInterrupt):
-        print_traceback(kind, value, traceback)
-    elif int(os.environ.get("RANK", 0)) == 0:
-        print("stopped by Ctrl-C", file=sys.stderr)
-
-
-sys.excepthook = say_ctrl_c  # every script imports this module first, before numpy and torch
-# A process that a shell without job control (a script) starts in the background inherits SIGINT
-# ignored: restored here, before numpy and torch import, so that SIGINT stops it from the start
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run_main(main):

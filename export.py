@@ -189,9 +189,8 @@ def check_space(model, out):
                         f"{need / 2 ** 20:,.1f} MiB: free some space or choose another --out")
 
 
-# what an export writes, in either format (the transformers one: the first six), and the lock it
-# holds meanwhile, as a run does (common.lock), which stays and is no file of the model
-LOCK_FILES = [".lock", ".lock.pid"]
+# what an export writes, in either format (the transformers one: the first six); the lock it holds
+# meanwhile, as a run does (common.lock, common.LOCK_FILES), stays and is no file of the model
 FILES = ("README.md", "config.json", "generation_config.json", "model.safetensors",
          "tokenizer.json", "tokenizer_config.json", "model.py", "configuration_diffeqformer.py",
          "modeling_diffeqformer.py")
@@ -204,7 +203,7 @@ def check_out(out):
     export to the Hub. A run's lock files (common.lock's) are none of them. A folder of the
     repository's own (check_own_folder): refused, even empty."""
     check_own_folder(out, "out")
-    held = sorted(set(os.listdir(out)) - set(LOCK_FILES)) if os.path.isdir(out) else []
+    held = sorted(set(os.listdir(out)) - set(common.LOCK_FILES)) if os.path.isdir(out) else []
     card = os.path.join(out, "README.md")
     if held and os.path.isfile(card):
         with open(card, errors="replace") as f:
@@ -255,7 +254,8 @@ def push(out, repo_id):
     try:
         api = HfApi()
         api.create_repo(repo_id, exist_ok=True)
-        done = api.upload_folder(folder_path=out, repo_id=repo_id, ignore_patterns=LOCK_FILES)
+        done = api.upload_folder(folder_path=out, repo_id=repo_id,
+                                 ignore_patterns=list(common.LOCK_FILES))
         return done.commit_url
     except Exception as e:  # no network, no token, no rights: one line
         raise UserError(f"could not push {out} to the Hub as {repo_id} ({type(e).__name__}); "
@@ -268,7 +268,7 @@ def main(argv):
     kind = "transformers" if cfg.format == "hf" else "diffeqformer"
     print(f"{cfg.init_from}: {model.cfg.model_type} ({model.cfg.flavor}), "
           f"{model.num_params():,} parameters -> {cfg.out}/ ({kind} format: "
-          f"{', '.join(sorted(set(os.listdir(cfg.out)) - set(LOCK_FILES)))})")
+          f"{', '.join(sorted(set(os.listdir(cfg.out)) - set(common.LOCK_FILES)))})")
     if cfg.push_to_hub:
         print(f"pushed to the Hub: {push(cfg.out, cfg.push_to_hub)}")
 

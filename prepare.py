@@ -122,9 +122,10 @@ def read_prompt(start):
     except OSError as e:
         raise UserError(f"prompt file {path} cannot be read: {e.strerror or e}") from None
     if len(data) > MAX_PROMPT_BYTES:
+        way = (f"keep its end (tail -c 100000 {path} > prompt.txt)" if os.path.isfile(path) else
+               "write the prompt into a file and name that")  # (a device, a pipe: it may not end)
         raise UserError(f"prompt file {path} holds more than {MAX_PROMPT_BYTES:,} bytes (1 MiB), "
-                        f"more than a prompt can use: keep its end (tail -c 100000 {path} > "
-                        f"prompt.txt)")
+                        f"more than a prompt can use: {way}")
     try:  # as open(path, encoding=...) reads text: newlines "\n"; -sig: a byte-order mark dropped
         start = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8-sig").read()
     except UnicodeDecodeError:

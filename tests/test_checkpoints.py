@@ -309,6 +309,40 @@ def test_claiming_an_out_dir_removes_a_killed_runs_temporaries_by_name_and_never
     assert all((out / name).read_text() == "the user's own file" for name in users)
 
 
+@pytest.mark.parametrize("script,argv", [
+    ("train", ["--dataset=nosuch"]),  # refused by the data, after the claim
+    ("finetune", ["--steps=2", "--init_from=nowhere.pt"])])  # by the base's load, after the claim
+def test_a_run_refused_after_its_claim_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch, script, argv):
+    """A refusal that comes once out_dir is claimed left a new folder holding .lock and .lock.pid only: the
+    folder the run made goes with its claim, as if the run had never begun."""
+    from test_faults import one_line
+    main = __import__(script).main
+    out = tmp_path / "new" / "run"
+    line = one_line(main, [*argv, f"--out_dir={out}", f"--data_root={tmp_path / 'data'}", "--device=cpu"],
+                    capsys, monkeypatch)
+    assert line.startswith("error: ") and ("nosuch" in line or "nowhere.pt" in line), line
+    assert os.listdir(tmp_path / "new") == []  # (the parent, made by make_dir, is the user's to keep)
+
+
+def test_a_claim_removes_only_a_folder_it_made_that_holds_nothing_else(tmp_path):
+    """At the rule's bounds: a folder that was there before stays, empty or not; one the claim made stays
+    once anything beside the lock's files is in it (a run's log)."""
+    there = tmp_path / "there"
+    there.mkdir()
+    common.lock(str(there)).release()
+    assert sorted(os.listdir(there)) == sorted(common.LOCK_FILES)  # the user's folder, with the lock's files
+    made = tmp_path / "made"
+    claim = common.lock(str(made))
+    (made / "log.jsonl").write_text("{}\n")
+    claim.release()
+    assert sorted(os.listdir(made)) == sorted([*common.LOCK_FILES, "log.jsonl"])
+    gone = tmp_path / "gone"
+    common.lock(str(gone)).release()
+    assert not gone.exists()
+    common.lock(str(gone)).release()  # and claimed again afterwards, as new
+    assert not gone.exists()
+
+
 TINY_ARGS = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",
              "--batch_size=4", "--eval_iters=2"]
 AS_ON_WINDOWS = ("import os, warnings; sys.modules['fcntl'] = None; del os.sysconf; "  # neither
@@ -401,7 +435,8 @@ def past_the_check(*args):
     (".", "the repository's root"), (ROOT, "the repository's root"), ("data", "in the repository's data/"),
     ("data/tinyshakespeare", "in the repository's data/"), ("data/new", "in the repository's data/"),
     ("config", "in the repository's config/"), ("scale", "in the repository's scale/"),
-    ("remote/", "in the repository's remote/"), ("tests/eval_task", "in the repository's tests/")])
+    ("remote/", "in the repository's remote/"), ("tests/eval_task", "in the repository's tests/"),
+    (".git", "in the repository's .git/")])
 def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anything_is_written(
         tmp_path, capsys, monkeypatch, out_dir, what):
     """--out_dir=. and --out_dir=data were accepted: a run wrote ckpt.pt, log.jsonl, loss.png and its lock into
@@ -442,7 +477,7 @@ def test_the_projects_own_folders_are_every_folder_it_ships():
     if done.returncode != 0:
         pytest.skip("not a git checkout")
     tracked = {path.split("/")[0] for path in done.stdout.splitlines() if "/" in path}
-    assert tracked == set(configurator.OWN_FOLDERS)
+    assert tracked | {".git"} == set(configurator.OWN_FOLDERS)  # and git's own
 
 
 @pytest.mark.parametrize("name", ["ckpt.pt", "ckpt_sharded", "adapters.pt", "merged.pt", "results.json",

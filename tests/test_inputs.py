@@ -150,10 +150,11 @@ def test_a_prompt_file_is_read_up_to_its_bound_in_bytes_and_one_byte_more_is_ref
     (tmp_path / "at.txt").write_bytes(b"a\r\n" + b"b" * (bound - 3))  # newlines as open() reads
     assert prepare.read_prompt(f"FILE:{tmp_path / 'at.txt'}") == "a\n" + "b" * (bound - 3)
     (tmp_path / "past.txt").write_bytes(b"b" * (bound + 1))
-    for path in (tmp_path / "past.txt", "/dev/zero"):
+    for path, way in ((tmp_path / "past.txt", rf"keep its end \(tail -c 100000 {tmp_path / 'past.txt'} > "
+                                              rf"prompt.txt\)"),  # a device never ends: no tail
+                      ("/dev/zero", "write the prompt into a file and name that")):
         with pytest.raises(UserError, match=rf"^prompt file {path} holds more than 1,048,576 bytes "
-                                            rf"\(1 MiB\), more than a prompt can use: keep its end "
-                                            rf"\(tail -c 100000 {path} > prompt.txt\)$"):
+                                            rf"\(1 MiB\), more than a prompt can use: {way}$"):
             prepare.read_prompt(f"FILE:{path}")
     model = save_model(tmp_path / "m.pt", byte_model())
     no_work(monkeypatch, sample, "generate")
