@@ -76,13 +76,15 @@ def test_a_checkpoint_without_a_tokenizer_is_read_as_byte_tokens(tmp_path, capsy
     assert capsys.readouterr().out.startswith("ab")
 
 
-def test_adapters_on_some_linears_load_on_those_linears_only(tmp_path):
+@pytest.mark.parametrize("alpha", [16.0, 16])
+def test_adapters_on_some_linears_load_on_those_linears_only(tmp_path, alpha):
     """An adapters file of a run with lora_targets=attn,fc2 (not the default, all) is merged with
     adapters on those linears: checkpoints.load_model gives the fine-tuned model's logits, as
-    merging it in memory does."""
+    merging it in memory does. Its alpha may be a whole number (lora.add_lora(model, rank=8, alpha=16),
+    peft's lora_alpha), not only finetune.py's float."""
     base = save_model(tmp_path / "base.pt", random_ode())
-    fcfg = finetune.FinetuneConfig(steps=4, lora_rank=2, lora_targets="attn,fc2")
-    layers = lora.add_lora(random_ode().materialize(4), rank=2, targets=fcfg.lora_targets)
+    fcfg = finetune.FinetuneConfig(steps=4, lora_rank=2, lora_alpha=alpha, lora_targets="attn,fc2")
+    layers = lora.add_lora(random_ode().materialize(4), rank=2, alpha=alpha, targets=fcfg.lora_targets)
     with torch.no_grad():
         for name, p in layers.named_parameters():
             if name.endswith("lora_B"):
@@ -409,20 +411,30 @@ def test_a_new_run_over_a_finished_one_needs_a_word_and_is_refused_before_anythi
     assert [json.loads(r)["iter"] for r in open(tmp_path / "out" / "log.jsonl") if "val_loss" in r] == [0, 2, 4]
 
 
-def test_overwrite_removes_every_file_the_earlier_run_wrote(tmp_path, shakespeare):
+@pytest.mark.parametrize("script", ["train", "finetune"])
+def test_overwrite_removes_every_file_the_earlier_run_wrote(tmp_path, shakespeare, script):
     """--overwrite left the earlier run's adapters.pt and merged.pt (and results.json, ckpt_sharded/,
     tensorboard/) beside the new run's files: `sample.py --init_from=out/adapters.pt` sampled the old adapters,
-    and an export paired them with the new run's card. Starting over removes them all; a user's file stays."""
+    and an export paired them with the new run's card. Starting over removes them all, for a fine-tuning
+    (which starts from a base, not from scratch) too; a user's file stays."""
     out = tmp_path / "out"
     for name in ("tensorboard", "ckpt_sharded"):
         (out / name).mkdir(parents=True)
         (out / name / "events").write_bytes(b"the earlier run's")
     for name in ("ckpt.pt", "adapters.pt", "merged.pt", "results.json", "log.jsonl", "loss.png", "notes.txt"):
         (out / name).write_bytes(b"the earlier run's")
-    train.main([*TINY_ARGS, "--max_iters=2", "--eval_interval=2", f"--input_file={shakespeare}", f"--out_dir={out}",
-                f"--data_root={tmp_path / 'data'}", "--overwrite"])
-    assert sorted(os.listdir(out)) == [".lock", ".lock.pid", "ckpt.pt", "log.jsonl", "loss.png", "notes.txt"]
-    assert checkpoints.load(str(out / "ckpt.pt"))["iter_num"] == 2
+    argv = ["--max_iters=2", "--eval_interval=2", f"--input_file={shakespeare}", f"--out_dir={out}",
+            f"--data_root={tmp_path / 'data'}", "--overwrite"]
+    if script == "train":
+        train.main([*TINY_ARGS, *argv])
+    else:
+        base = save_model(tmp_path / "base.pt", random_ode(vocab_size=256))
+        finetune.main(["--steps=2", "--lora_rank=2", f"--init_from={base}", *TINY_ARGS[-2:], *argv])
+    ours = ["ckpt.pt", "log.jsonl", "loss.png"] + ["adapters.pt", "results.json"] * (script == "finetune")
+    assert sorted(os.listdir(out)) == sorted([".lock", ".lock.pid", *ours, "notes.txt"])
+    kind = checkpoints.MODEL if script == "train" else checkpoints.LORA_RUN
+    assert checkpoints.load(str(out / "ckpt.pt"), kind=kind)["iter_num"] == 2
+    assert all((out / name).read_bytes() != b"the earlier run's" for name in ours)
     assert (out / "notes.txt").read_bytes() == b"the earlier run's"
     assert [json.loads(r)["iter"] for r in open(out / "log.jsonl") if "val_loss" in r] == [0, 2]
 
@@ -458,6 +470,24 @@ def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anythin
         assert line.startswith(f"error: --{argv[-1][2:].partition('=')[0]}={out_dir} {expected}"), line
     assert (sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None) == before
     assert not (tmp_path / "data").exists()
+
+
+def test_a_link_to_the_projects_own_files_is_refused_as_out_dir(tmp_path, capsys, monkeypatch):
+    """By any path: a symlink to data/, a folder within it, or a path through a link to the repository is the
+    project's own folder, as data/ itself is (their real paths are compared, not the paths given)."""
+    from test_faults import one_line
+    (tmp_path / "corpora").symlink_to(os.path.join(ROOT, "data"))
+    (tmp_path / "clone").symlink_to(ROOT)
+    monkeypatch.setattr(common, "lock", past_the_check)
+    for out_dir, what in ((tmp_path / "corpora", "in the repository's data/"),
+                          (tmp_path / "corpora" / "run1", "in the repository's data/"),
+                          (tmp_path / "clone" / "config", "in the repository's config/"),
+                          (tmp_path / "clone", "the repository's root")):
+        argv = [f"--out_dir={out_dir}", f"--data_root={tmp_path / 'data'}"]
+        assert one_line(train.main, argv, capsys, monkeypatch) == (
+            f"error: --out_dir={out_dir} is {what}, whose files are the project's own: "
+            f"choose another --out_dir (out-NAME, say)")
+    assert sorted(os.listdir(tmp_path)) == ["clone", "corpora"]
 
 
 @pytest.mark.parametrize("out_dir", ["out", "out-test/data", "data-old", "configs", "../data"])

@@ -130,6 +130,17 @@ def test_learning_rate_is_linear_warmup_then_cosine():
     assert train.learning_rate(1000, cfg) == pytest.approx(low) and train.learning_rate(1500, cfg) == pytest.approx(low)
 
 
+
+def test_the_warm_up_is_warmup_frac_of_max_iters_rounded_to_the_nearest_iteration():
+    """warmup_frac=0.01 of max_iters=170 is 1.7 iterations: the warm-up takes 2 (half the peak at iteration 0,
+    the peak at 1), not 1; 1.3 takes 1, and a warm-up under half an iteration still takes 1."""
+    lr = 3.0
+    for max_iters, warmup in ((170, 2), (130, 1), (40, 1)):
+        cfg = train.TrainConfig(max_iters=max_iters, learning_rate=lr, warmup_frac=0.01)
+        assert cfg.warmup_iters == warmup
+        assert [train.learning_rate(it, cfg) for it in range(warmup)] == [lr * (it + 1) / warmup
+                                                                          for it in range(warmup)]
+
 # -- 4. gradient clipping in the training step -------------------------------------------------------------
 
 def one_training_step(model, optimizer, batches, cfg):

@@ -72,11 +72,14 @@ def test_a_ctrl_c_under_torchrun_is_said_by_rank_0_alone(rank, capsys, monkeypat
     assert stopped.value.code == 130 and capsys.readouterr().err == said
 
 
-@pytest.mark.parametrize("seed", ["100000000000000000000", "-1", str(2 ** 32)])
-@pytest.mark.parametrize("script,argv", [
+SEEDED = pytest.mark.parametrize("script,argv", [  # every script that takes --seed
     ("train", []), ("sample", []), ("analyze", ["--cluster"]), ("finetune", []),
-    ("experiments.depth", []), ("experiments.eval", []),
+    ("experiments.depth", []), ("experiments.eval", ["--tasks=piqa"]),
 ])
+
+
+@pytest.mark.parametrize("seed", ["100000000000000000000", "-1", str(2 ** 32)])
+@SEEDED
 def test_a_seed_out_of_range_is_one_line_in_every_script(script, argv, seed, tmp_path, capsys,
                                                           monkeypatch):
     """torch.manual_seed overflowed on 1e20 (train.py, sample.py) and numpy refused -1 (analyze.py
@@ -88,6 +91,24 @@ def test_a_seed_out_of_range_is_one_line_in_every_script(script, argv, seed, tmp
     line = one_line(main, [*argv, f"--seed={seed}"], capsys, monkeypatch)
     assert line == f"error: --seed={seed} must be a whole number in 0..4294967295"
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("seed", ["0", str(2 ** 31), str(2 ** 32 - 1)])
+@SEEDED
+def test_a_seed_at_either_end_of_its_range_is_accepted_in_every_script(script, argv, seed, tmp_path,
+                                                                       monkeypatch):
+    """A seed is 0..2^32-1 (numpy's range), not bounded by 2^31 - 1 as every other whole number is:
+    both ends, and a seed past 2^31 - 1, reach the script's work."""
+    class Began(Exception):
+        pass
+
+    def began(*args, **kwargs):
+        raise Began
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "setup", began)
+    monkeypatch.setattr(importlib.import_module("analyze"), "cluster", began)
+    with pytest.raises(Began):
+        importlib.import_module(script).main([*argv, f"--seed={seed}"])
 
 
 def test_a_prompt_file_is_any_readable_file_and_its_faults_name_it(tmp_path):
