@@ -33,15 +33,15 @@ MLP (theirs bypass it) and the eigenvalues stay complex (theirs drop the imagina
 import os
 from dataclasses import dataclass
 
-from configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
+from support.configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-import checkpoints
-import plots
+from support import checkpoints
+from support import plots
 import prepare
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 

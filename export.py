@@ -30,17 +30,17 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from configurator import UserError, check_own_folder, make_dir, parse_config, run_main
-import checkpoints
-import common
-import hf
+from support.configurator import UserError, check_own_folder, make_dir, parse_config, run_main
+from support import checkpoints
+from support import common
+from support import hf
 
 FORMATS = ("diffeqformer", "hf")
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # transformers' remote code of the diffeqformer format: the files copied into the folder
 REMOTE_CODE = {name: os.path.join(ROOT, folder, name) for folder, name in (
-    (".", "model.py"), ("remote", "configuration_diffeqformer.py"),
-    ("remote", "modeling_diffeqformer.py"))}
+    (".", "model.py"), ("support/remote", "configuration_diffeqformer.py"),
+    ("support/remote", "modeling_diffeqformer.py"))}
 # the model card's first lines (README.md): what marks a folder as an earlier export, which
 # export.py may replace (check_out)
 CARD = "---\nlibrary_name: transformers\ntags: [diffeqformer, neural-ode, transformer]\n---"

@@ -20,16 +20,16 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from configurator import ConfigError, UserError, check_out_dir, parse_config, run_main
+from support.configurator import ConfigError, UserError, check_out_dir, parse_config, run_main
 import torch
 
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import lora
-import runlog
+from support import runlog
 import train
 from model import ModelConfig, check_step_count
-from scale import resume
+from support import resume
 
 DEFAULT_CONFIG = "config/finetune_wikitext2.py"
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
 
-from configurator import UserError, as_user_error
+from support.configurator import UserError, as_user_error
 from model import block_shapes
 
 

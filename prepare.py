@@ -24,7 +24,7 @@ import os
 import socket
 import urllib.parse
 
-from configurator import UserError, make_dir, parse_config, run_main, written
+from support.configurator import UserError, make_dir, parse_config, run_main, written
 import numpy as np
 import tiktoken
 from tqdm import tqdm

@@ -20,17 +20,17 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from configurator import UserError, as_user_error, parse_config, run_main
+from support.configurator import UserError, as_user_error, parse_config, run_main
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import prepare
 from model import (SOLVERS, Context, block_shapes, check_step_count, evaluations,
                    sliding_window_mask)
-from scale.memory import decoding_gib, device_memory_gib
+from support.memory import decoding_gib, device_memory_gib
 
 
 MAX_NEW_TOKENS = 1_000_000  # a sample is held in memory and printed at the end; at the default

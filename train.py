@@ -24,19 +24,19 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from configurator import (ConfigError, Interrupted, UserError, as_user_error, check_out_dir,
+from support.configurator import (ConfigError, Interrupted, UserError, as_user_error, check_out_dir,
                           int_range, parse_config, run_main)  # first: a Ctrl-C while torch imports
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import prepare
-import runlog
+from support import runlog
 from model import MAX_STEPS, DiffEqFormer, ModelConfig
-from scale import memory, parallel, resume
-from scale.weightgen import WeightGenerator
+from support import memory, parallel, resume
+from support.weightgen import WeightGenerator
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
 EVAL_ITERATION = 2 ** 31  # every evaluation reads the batches of this (never trained) iteration

@@ -12,4 +12,4 @@ the repository root with `python -m experiments.NAME`:
 * harness      lm-eval's own command line with checkpoints as its model "diffeqformer"
 * reproduce    every experiment of results/README.md, at laptop scale
 """
-import configurator  # first, before torch: a Ctrl-C while an experiment imports is one line
+from support import configurator  # first, before torch: a Ctrl-C while an experiment imports is one line

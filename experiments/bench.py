@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import common
-import runlog
+from support import common
+from support import runlog
 import sample
 import train
-from configurator import ConfigError, fields_of, parse_config, read_config_file, run_main, split_args
+from support.configurator import ConfigError, fields_of, parse_config, read_config_file, run_main, split_args
 from model import DiffEqFormer, ModelConfig, stage_times, time_dtype
 from model import evaluations as model_evaluations
 

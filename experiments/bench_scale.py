@@ -115,10 +115,10 @@ def counting_mode():
 
 def setup_run(mcfg, tcfg, env):
     """(step function, model, raw, optimizer) as train.main builds them."""
-    import common
+    from support import common
     import train
     from model import DiffEqFormer
-    from scale import parallel
+    from support import parallel
     torch.manual_seed(0)
     sharded = parallel.sharded(tcfg, env)
     with torch.device("meta" if sharded else env.device):
@@ -139,7 +139,7 @@ def last_wins(argv):
 
 def configs(argv, **overrides):
     import train
-    from configurator import parse_config
+    from support.configurator import parse_config
     from model import ModelConfig
     mcfg, tcfg, _ = parse_config(last_wins(argv), ModelConfig, train.TrainConfig)
     return (ModelConfig(**{**mcfg.to_dict(), **overrides.get("model", {})}),
@@ -153,7 +153,7 @@ STEP_SHAPE = ["--n_layer=6", "--n_embd=512", "--n_head=8", "--block_size=512", "
 
 
 def step(cfg, argv):
-    import common
+    from support import common
     torch.set_num_threads(cfg.threads)
     env = common.setup("cpu", "float32")
     args = STEP_SHAPE + [f"--gradient_accumulation_steps={cfg.accum}"] + argv
@@ -207,7 +207,7 @@ COMM_MODELS = (("baseline", dict(model_type="baseline"), {}), ("ODE, weights per
 
 def comm_probe(cfg, argv):
     """Under torchrun: bytes moved by one iteration of each model (after a warm-up iteration)."""
-    import common
+    from support import common
     torch.set_num_threads(1)
     env = common.setup("cpu", "float32")
     out = {}
@@ -231,7 +231,7 @@ def planned_bytes(mcfg, tcfg, world, dtype):
     once per step are all-gathered once (compute dtype) and dL/dW reduce-scattered once (fp32); DDP
     all-reduces every gradient it holds once."""
     import train
-    from scale import memory, parallel
+    from support import memory, parallel
     from model import DiffEqFormer, ModelConfig, evaluations
     m = tcfg.gradient_accumulation_steps // world  # micro-steps per process
     b = dtype.itemsize  # compute; FSDP2 gathers the units in it under its policy, the root in fp32
@@ -320,8 +320,8 @@ def memory_probe(cfg, argv):
     """Under torchrun: train.main on argv; prints the rise of this process's peak RSS and the plan."""
     import train
     base = rss()
-    import plots
-    from scale import resume
+    from support import plots
+    from support import resume
     resume.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak
     plots.loss_curve = lambda *a, **k: None
     train.main(last_wins(argv))
@@ -375,7 +375,7 @@ WHAT = {"step": step, "comm": comm, "comm_plan": comm_plan, "memory": memory}  #
 def main(argv):
     own = [a for a in argv if a.lstrip("-").split("=")[0] in ScaleConfig.__dataclass_fields__]
     rest = [a for a in argv if a not in own]
-    from configurator import parse_config
+    from support.configurator import parse_config
     cfg, _ = parse_config(own, ScaleConfig)
     if cfg.probe == "comm":
         return comm_probe(cfg, rest)
@@ -385,5 +385,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from configurator import run_main
+    from support.configurator import run_main
     run_main(main)

@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-import checkpoints
+from support import checkpoints
 from model import DiffEqFormer, ModelConfig
 
 MODELS = {

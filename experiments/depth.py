@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import checkpoints
-import common
-import plots
+from support import checkpoints
+from support import common
+from support import plots
 import prepare
 import train
-from configurator import UserError, as_user_error, make_dir, parse_config, run_main
+from support.configurator import UserError, as_user_error, make_dir, parse_config, run_main
 from model import SOLVERS, check_step_count, evaluations, time_dtype
 
 

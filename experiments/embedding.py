@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-import checkpoints
+from support import checkpoints
 import train
-from configurator import parse_config, run_main
+from support.configurator import parse_config, run_main
 from model import DiffEqFormer, ModelConfig
 
 STDS = (0.02, 1.0)  # this project's, the authors'

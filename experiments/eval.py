@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import checkpoints
-import common
-import plots
+from support import checkpoints
+from support import common
+from support import plots
 import prepare
 import sample
-from configurator import ConfigError, UserError, as_user_error, make_dir, parse_config, run_main
+from support.configurator import ConfigError, UserError, as_user_error, make_dir, parse_config, run_main
 from model import time_dtype
 
 
@@ -230,7 +230,7 @@ def model_args_config(model_args, defaults=None):
     """The EvalConfig of lm-eval's --model_args (a dict, or "key=value,..."): the MODEL_ARGS keys;
     `defaults` (lm-eval's --batch_size, --device) where they are given and model_args does not set
     them. Unknown keys and bad values are one ConfigError."""
-    from configurator import parse_config  # imported here: tests/test_docs.py stops after it
+    from support.configurator import parse_config  # imported here: tests/test_docs.py stops after it
     if isinstance(model_args, str):
         model_args = harness().utils.simple_parse_args_string(model_args)
     unknown = sorted(set(model_args) - set(MODEL_ARGS))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from configurator import parse_config, run_main
+from support.configurator import parse_config, run_main
 from model import EPS, DiffEqFormer, ModelConfig
 
 SHAPE = "config/owt_gpt_small.py"

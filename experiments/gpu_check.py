@@ -42,15 +42,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import common
-import runlog  # the peak and FLOP count of train.py's MFU
+from support import common
+from support import runlog  # the peak and FLOP count of train.py's MFU
 import train
-from configurator import make_dir, parse_config, run_main, written
+from support.configurator import make_dir, parse_config, run_main, written
 from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
-from scale import memory
-from scale.weightgen import WeightGenerator
+from support import memory
+from support.weightgen import WeightGenerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where pytest runs
 TESTS = "tests/test_cuda.py"

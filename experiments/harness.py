@@ -14,8 +14,8 @@ and reads no plugin entry points (docs/evaluation.md).
 """
 import sys
 
-import common
-from configurator import ConfigError, run_main
+from support import common
+from support.configurator import ConfigError, run_main
 from experiments import eval
 
 try:

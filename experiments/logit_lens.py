@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-import plots
-from configurator import UserError, make_dir, parse_config, run_main
+from support import plots
+from support.configurator import UserError, make_dir, parse_config, run_main
 from model import SOLVERS, check_step_count
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-import checkpoints
+from support import checkpoints
 import prepare
-import runlog
-from configurator import RUN_FILES, UserError, make_dir, parse_config, run_main
+from support import runlog
+from support.configurator import RUN_FILES, UserError, make_dir, parse_config, run_main
 from model import DiffEqFormer, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the jobs run there

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import checkpoints
+from support import checkpoints
 import train
-from configurator import (SEEDS, UserError, int_range, make_dir, parse_config, run_main,
+from support.configurator import (SEEDS, UserError, int_range, make_dir, parse_config, run_main,
                           written)
 from experiments.reproduce import ROOT, Job, final_val_loss, run
 from model import DiffEqFormer, ModelConfig

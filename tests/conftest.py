@@ -16,7 +16,7 @@ TINY = dict(vocab_size=96, block_size=32, n_layer=3, n_head=2, n_embd=32, d_t=8,
 
 def from_config_file(path, **overrides):
     """The ModelConfig that a config file (relative to the repository) sets, with overrides."""
-    from configurator import parse_config
+    from support.configurator import parse_config
     from model import ModelConfig
     from train import TrainConfig
     mcfg, _, _ = parse_config([os.path.join(ROOT, path)], ModelConfig, TrainConfig)

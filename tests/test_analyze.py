@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import analyze
-import checkpoints
-from configurator import UserError, run_main
+from support import checkpoints
+from support.configurator import UserError, run_main
 from model import DiffEqFormer, ModelConfig, attention, norm, rope_tables, stage_times
 
 from conftest import TINY, no_work

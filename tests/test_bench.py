@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import common
+from support import common
 from experiments import bench
 from model import DiffEqFormer, ModelConfig
 

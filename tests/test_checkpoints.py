@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import export
 import finetune
 import lora
 import sample
 import train
-from scale import resume, parallel
-from configurator import UserError
+from support import resume, parallel
+from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, TINY, no_work, without_work
@@ -281,7 +281,7 @@ def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(tmp_pa
 def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
     held = common.lock(str(tmp_path / "out"))
     try:
-        done = subprocess.run([sys.executable, *without_work("train.py", "common.prepare_data"),
+        done = subprocess.run([sys.executable, *without_work("train.py", "support.common.prepare_data"),
                                f"--out_dir={tmp_path / 'out'}", "--max_iters=1"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
@@ -296,7 +296,7 @@ def test_a_second_run_on_a_held_out_dir_is_refused(tmp_path):
 
 
 def test_claiming_an_out_dir_removes_a_killed_runs_temporaries_by_name_and_never_a_users_tmp_files(tmp_path):
-    """common.lock removes what a killed run of this project left half written (FILE.tmp of written() and
+    """support.common.lock removes what a killed run of this project left half written (FILE.tmp of written() and
     RunLog, FILE.tmpPID of checkpoints.save, for the files a run writes); it removed every *.tmp* of the folder,
     a user's draft in a folder named as out_dir too (`--out_dir=notes`, `--out_dir=.`)."""
     out = tmp_path / "notes"
@@ -358,7 +358,7 @@ def test_a_killed_runs_lock_is_released_with_or_without_fcntl(tmp_path, shakespe
     been killed."""
     setup = "import sys; " + (AS_ON_WINDOWS if platform != "linux" else "")
     out = str(tmp_path / "out")
-    hold = "import common, time; held = common.lock(sys.argv[1]); print('held', flush=True); "
+    hold = "import support.common, time; held = support.common.lock(sys.argv[1]); print('held', flush=True); "
     holder = subprocess.Popen([sys.executable, "-c", setup + hold + "time.sleep(600)", out],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     train_py = "import runpy; runpy.run_path('train.py', run_name='__main__')"  # argv: -c, flags
@@ -368,7 +368,7 @@ def test_a_killed_runs_lock_is_released_with_or_without_fcntl(tmp_path, shakespe
            f"--data_root={tmp_path / 'data'}"]
     try:
         assert holder.stdout.readline() == "held\n"
-        stubbed = [sys.executable, "-c", setup + without_work("train.py", "common.prepare_data")[1]]
+        stubbed = [sys.executable, "-c", setup + without_work("train.py", "support.common.prepare_data")[1]]
         refused = subprocess.run([*stubbed, *run[3:]], cwd=ROOT, capture_output=True, text=True,
                                  timeout=120)
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
@@ -446,8 +446,8 @@ def past_the_check(*args):
 @pytest.mark.parametrize("out_dir,what", [
     (".", "the repository's root"), (ROOT, "the repository's root"), ("data", "in the repository's data/"),
     ("data/tinyshakespeare", "in the repository's data/"), ("data/new", "in the repository's data/"),
-    ("config", "in the repository's config/"), ("scale", "in the repository's scale/"),
-    ("remote/", "in the repository's remote/"), ("tests/eval_task", "in the repository's tests/"),
+    ("config", "in the repository's config/"), ("support", "in the repository's support/"),
+    ("support/remote/", "in the repository's support/"), ("tests/eval_task", "in the repository's tests/"),
     (".git", "in the repository's .git/")])
 def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anything_is_written(
         tmp_path, capsys, monkeypatch, out_dir, what):
@@ -494,7 +494,7 @@ def test_a_link_to_the_projects_own_files_is_refused_as_out_dir(tmp_path, capsys
 def test_a_folder_beside_the_projects_own_is_accepted_as_out_dir(out_dir):
     """At the rule's bounds: a folder in the repository's root but none of its own, one whose name begins like
     data/ or config/, one named like them elsewhere, are a user's to choose (the check creates nothing)."""
-    from configurator import check_own_folder
+    from support.configurator import check_own_folder
     check_own_folder(out_dir, "out_dir")
     assert not os.path.exists(out_dir) or out_dir in ("out", "../data")
 
@@ -502,7 +502,7 @@ def test_a_folder_beside_the_projects_own_is_accepted_as_out_dir(out_dir):
 def test_the_projects_own_folders_are_every_folder_it_ships():
     """configurator.OWN_FOLDERS names every folder of the repository that git tracks: a new one is refused as a
     run's or an export's folder once it is added there."""
-    import configurator
+    from support import configurator
     done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip("not a git checkout")

@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from configurator import parse_config
+from support.configurator import parse_config
 from model import FLAVORS, MODEL_TYPES, DiffEqFormer, ModelConfig
 from sample import generate
-from scale import memory
+from support import memory
 from train import DEFAULT_CONFIG, TrainConfig
 
 from conftest import TINY

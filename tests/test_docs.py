@@ -13,7 +13,7 @@ import shlex
 
 import pytest
 
-import configurator
+from support import configurator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import prepare
-from configurator import ConfigError, UserError, run_main
+from support.configurator import ConfigError, UserError, run_main
 
 from conftest import ROOT, no_work, tokenizer_or_skip
 from test_sample import random_model, recomputed_logits, save_model

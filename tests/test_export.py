@@ -11,15 +11,15 @@ import sys
 import pytest
 import torch
 
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import export
 import finetune
 import lora
 import prepare
 import sample
 import train
-from configurator import UserError, run_main
+from support.configurator import UserError, run_main
 from conftest import TINY, no_work, tokenizer_or_skip
 from model import DiffEqFormer, ModelConfig
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import analyze
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import finetune
 import lora
 import prepare
 import sample
 import train
-from configurator import run_main
+from support.configurator import run_main
 
 from conftest import ROOT, no_work, without_work
 from test_train import losses, tiny_and
@@ -46,7 +46,7 @@ def test_the_flagship_on_a_cpu_machine_is_refused_by_rank_0_before_any_download(
     """torchrun ... train.py config/llama1b.py on CPUs: the memory plan refuses it first, before the GPT-2
     tokenizer or OpenWebText is fetched (offline both would fail); one error line, every rank exits 2."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
-           sys.executable, *without_work("train.py", "prepare.get_tokenizer", "common.prepare_data"),
+           sys.executable, *without_work("train.py", "prepare.get_tokenizer", "support.common.prepare_data"),
            "config/llama1b.py", "--device=cpu", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**ENV, "TIKTOKEN_CACHE_DIR": str(tmp_path / "no-cache")})
@@ -217,7 +217,7 @@ def test_the_experiments_with_a_file_as_out_are_one_line_before_the_work(tmp_pat
     run: the folder is checked first, as analyze.py and export.py check theirs."""
     import importlib.util
 
-    import common
+    from support import common
     from experiments import depth
     from test_sample import byte_model, save_model
     (tmp_path / "file").write_text("x")
@@ -368,11 +368,6 @@ def test_a_closed_stdout_ends_a_script_quietly_as_a_unix_tool(tmp_path):
     assert (done.returncode, done.stderr) == (141, ""), done.stderr[-2000:]
 
 
-def test_a_module_run_as_a_script_says_what_it_is():
-    done = subprocess.run([sys.executable, "hf.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.startswith("error: hf.py is a module, not a script")
-
-
 # -- faults of a fault run on a04fbc2 (issue 38): a full disk --------------------------------------------
 
 @pytest.fixture
@@ -465,7 +460,7 @@ def test_an_export_to_a_disk_without_room_for_the_weights_is_one_line_before_any
 
 def nan_checkpoint(tmp_path, value=float("nan"), export=False):
     """A checkpoint whose weights hold one NaN (or `value`), or an exported folder of it."""
-    import checkpoints
+    from support import checkpoints
     import export as exporter
     from test_sample import byte_model, save_model
     model = byte_model().float()
@@ -511,8 +506,8 @@ def test_a_checkpoint_with_weights_that_are_not_finite_is_one_line_for_every_com
 def test_finite_weights_whose_sum_overflows_float32_are_one_line(tmp_path, export):
     """The check sums each tensor (NaN or inf anywhere makes the sum NaN or inf); finite values whose sum
     overflows (3e38, twice) are refused too, not waved through: the sampler met inf logits (issue 42)."""
-    import checkpoints
-    from configurator import UserError
+    from support import checkpoints
+    from support.configurator import UserError
     path = nan_checkpoint(tmp_path, value=3e38, export=export)
     weights = os.path.join(path, "model.safetensors")
     if export:
@@ -534,7 +529,7 @@ def test_training_that_diverges_stops_in_one_line_and_keeps_the_last_good_checkp
                                                                                      shakespeare, where):
     """A NaN (or inf) loss or gradient norm at iteration 5, or validation loss at the evaluation of 6, after the
     checkpoint of iteration 3: one line naming both, and ckpt.pt stays the one of iteration 3."""
-    import checkpoints
+    from support import checkpoints
     args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
                     "--max_iters=6", "--eval_interval=3")
     real_step, real_evaluate = train.train_step, train.evaluate

@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import finetune
 import lora
 import prepare
 import train
-from configurator import ConfigError, UserError
+from support.configurator import ConfigError, UserError
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, TINY, no_work

@@ -10,8 +10,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import analyze
-import common
-import runlog
+from support import common
+from support import runlog
 import train
 from lora import LoRA
 from model import DiffEqFormer, ModelConfig, TimeDependentLinear

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import test_cuda
-from configurator import UserError
+from support.configurator import UserError
 from conftest import no_work
 from experiments import gpu_check
 
@@ -55,7 +55,7 @@ def test_the_cpu_version_skips_the_cuda_tests_and_measures_a_tiny_benchmark(tmp_
 
 
 def test_timing_the_phases_puts_back_what_it_wrapped_even_when_the_step_raises():
-    from scale.weightgen import WeightGenerator
+    from support.weightgen import WeightGenerator
     before = [getattr(owner, name) for calls in gpu_check.PHASES.values() for owner, name in calls]
 
     def step():

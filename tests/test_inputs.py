@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-import common
+from support import common
 import finetune
 import prepare
 import sample
 import train
-from configurator import UserError, run_main
+from support.configurator import UserError, run_main
 from model import ModelConfig
 
 from conftest import ROOT, no_work
@@ -41,7 +41,7 @@ else:
 
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py", "analyze.py", "finetune.py",
-                                    "export.py", "prepare.py", "hf.py", "experiments.seeds",
+                                    "export.py", "prepare.py", "experiments.seeds",
                                     "experiments.reproduce", "experiments.eval"])
 def test_a_ctrl_c_while_a_script_imports_is_one_line(script):
     """Under load torch imports for seconds: a Ctrl-C then was a KeyboardInterrupt traceback. Now

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train
-from configurator import parse_config
+from support.configurator import parse_config
 from model import DiffEqFormer, ModelConfig
 
 SHORT = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--d_t=4", "--time_freqs=4",

@@ -8,7 +8,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from configurator import UserError, run_main, written
+from support.configurator import UserError, run_main, written
 from prepare import get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens
 
 from conftest import ROOT, SHARED, tokenizer_or_skip

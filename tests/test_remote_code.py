@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import analyze
-import checkpoints
+from support import checkpoints
 import export
 import sample
-from configurator import UserError
+from support.configurator import UserError
 from conftest import ROOT, TINY, tokenizer_or_skip
 from model import SOLVERS
 from test_export import KINDS, checkpoint, random_model, saved, same_tokens  # noqa: F401 (saved: a fixture)
@@ -43,10 +43,10 @@ def remote_code_as_mutmut_sees_it():
         yield
         return
     import model
-    sys.modules["remote.model"] = model  # the folder's copy, `from .model import ...`
+    sys.modules["support.remote.model"] = model  # the folder's copy, `from .model import ...`
 
     def repository_class(name, path, **kwargs):
-        return getattr(importlib.import_module(f"remote.{os.path.basename(path)[:-3]}"), name)
+        return getattr(importlib.import_module(f"support.remote.{os.path.basename(path)[:-3]}"), name)
 
     def copy_code(obj, folder, config=None):
         for name, source in export.REMOTE_CODE.items():

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from configurator import UserError
+from support.configurator import UserError
 from conftest import no_work
 from experiments import reproduce
 from experiments.reproduce import Job, ReproduceConfig
@@ -309,8 +309,8 @@ def test_a_job_finished_on_disk_but_not_recorded_is_recorded_without_running(tmp
 
 
 def test_budget_row_counts_tokens_and_training_flops(tmp_path):
-    import checkpoints
-    import runlog
+    from support import checkpoints
+    from support import runlog
     from model import DiffEqFormer, ModelConfig
     from conftest import TINY
     mcfg = ModelConfig(**TINY, model_type="diffeq")

@@ -10,10 +10,10 @@ import types
 import pytest
 import torch
 
-import common
-import runlog
+from support import common
+from support import runlog
 import train
-from configurator import Diverged, Interrupted
+from support.configurator import Diverged, Interrupted
 from model import DiffEqFormer, ModelConfig
 
 from conftest import TINY

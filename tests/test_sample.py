@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import checkpoints
+from support import checkpoints
 import finetune
 import lora
 import sample
-from configurator import UserError
+from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 from sample import generate, sample_next
 
@@ -650,7 +650,7 @@ def test_help_lists_the_keys():
 def test_sample_under_torchrun_runs_in_one_process_or_is_refused(world, capsys, monkeypatch):
     """`torchrun --nproc_per_node=2 sample.py` printed every sample once per process: several processes are
     refused in one line (rank 0's) before any work; torchrun's one process runs."""
-    import common
+    from support import common
     from test_faults import one_line
 
     class Began(Exception):

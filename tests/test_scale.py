@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import checkpoints
-import common
+from support import checkpoints
+from support import common
 import train
-from scale import memory, parallel
-from scale.weightgen import WeightGenerator
-from configurator import UserError
+from support import memory, parallel
+from support.weightgen import WeightGenerator
+from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, TINY, no_work
@@ -297,7 +297,7 @@ def test_the_memory_check_refuses_a_plan_larger_than_the_machine_on_cpu(tmp_path
 
 
 def test_the_plan_names_every_term_and_fits_llama1b_on_8_gpus(capsys):
-    from configurator import parse_config
+    from support.configurator import parse_config
     mcfg, cfg, _ = parse_config(["config/llama1b.py", "--gpus=8"], ModelConfig, train.TrainConfig)
     total = sum(memory.dry_run(mcfg, cfg, 1).values()) / 2 ** 30
     out = capsys.readouterr().out

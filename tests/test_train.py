@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoints
-import common
-import runlog
+from support import checkpoints
+from support import common
+from support import runlog
 import train
-from scale import memory, parallel
-from configurator import ConfigError, UserError, coerce, parse_config
+from support import memory, parallel
+from support.configurator import ConfigError, UserError, coerce, parse_config
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, no_work, tokenizer_or_skip, without_work
@@ -226,7 +226,7 @@ def test_every_config_file_parses():
 
 
 def test_script_errors_are_one_line():
-    out = subprocess.run([sys.executable, *without_work("train.py", "common.setup"), "--n_head=5"], cwd=ROOT,
+    out = subprocess.run([sys.executable, *without_work("train.py", "support.common.setup"), "--n_head=5"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: bad model config: n_head=5 does not divide n_embd=128"]
@@ -328,7 +328,7 @@ def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path
 
 
 def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypatch, capsys):
-    from configurator import run_main
+    from support.configurator import run_main
 
     def buggy(argv):
         raise ValueError("an internal bug")
@@ -827,7 +827,7 @@ def test_the_default_run_calls_the_hypernetwork_once_per_iteration(tmp_path, mon
     HyperNetwork.forward per training iteration and one per evaluation, and never the sharded path's
     generator's path (scale/weightgen.py all-gathers columns there)."""
     from model import HyperNetwork
-    from scale.weightgen import WeightGenerator
+    from support.weightgen import WeightGenerator
     calls, evaluations = [], []
     forward, evaluate = HyperNetwork.forward, train.evaluate
     monkeypatch.setattr(HyperNetwork, "forward", lambda self, ts: calls.append(1) or forward(self, ts))

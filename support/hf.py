@@ -9,9 +9,8 @@ is x @ W, nn.Linear is x @ W^T) and Llama splits our fused q, k, v. transformers
 extra (requirements-eval.txt), imported only inside the functions that need it.
 """
 import os
-import sys
 
-from configurator import UserError
+from support.configurator import UserError
 import torch
 
 import prepare
@@ -202,9 +201,3 @@ def transformers_tokenizer(name, max_length):
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length,
                                    bos_token=end, eos_token=end, pad_token=end)
 
-
-if __name__ == "__main__":  # a module of export.py and train.py: say so, rather than nothing
-    print("error: hf.py is a module, not a script: `python export.py --format=hf` writes a "
-          "baseline as transformers' class, `python train.py --init_from=gpt2` reads one",
-          file=sys.stderr)
-    sys.exit(2)

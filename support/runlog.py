@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import common
-import plots
+from support import common
+from support import plots
 import prepare
-from configurator import RUN_FILES, Diverged
+from support.configurator import RUN_FILES, Diverged
 from model import block_shapes, evaluations
-from scale import parallel, resume
+from support import parallel, resume
 
 
 class Run:

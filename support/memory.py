@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from configurator import ConfigError
+from support.configurator import ConfigError
 from model import DiffEqFormer, TimeDependentLinear, TimeDependentNorm, evaluations
-from scale.parallel import fsdp_units
+from support.parallel import fsdp_units
 
 
 def generated_numel(model):

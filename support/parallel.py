@@ -9,7 +9,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from configurator import ConfigError
+from support.configurator import ConfigError
 
 
 def sharded(cfg, env):

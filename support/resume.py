@@ -16,10 +16,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import checkpoints
-from configurator import ConfigError, UserError
+from support import checkpoints
+from support.configurator import ConfigError, UserError
 from model import DiffEqFormer, ModelConfig
-from scale import parallel
+from support import parallel
 
 
 def latest_sharded(folder):

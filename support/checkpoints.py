@@ -22,9 +22,9 @@ import warnings
 import torch
 from safetensors.torch import load_file
 
-import hf
+from support import hf
 import lora
-from configurator import UserError
+from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
 MODEL = "diffeqformer-model"  # a model: config, weights, and (for a run) optimizer and iteration

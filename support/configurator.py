@@ -124,8 +124,8 @@ def in_use(out_dir, flag="out_dir"):
 
 # the repository's own folders (what a clone holds, and git's own; out*/ and runs/ are the runs'):
 # no run or export writes into them, nor into the repository's root
-OWN_FOLDERS = (".ci", ".git", "assets", "config", "data", "docs", "experiments", "remote",
-               "results", "scale", "tests")
+OWN_FOLDERS = (".ci", ".git", "assets", "config", "data", "docs", "experiments", "results",
+               "support", "tests")
 
 
 def check_own_folder(path, flag):
@@ -258,7 +258,7 @@ def coerce(key, value, annotation, where=None):
     return value
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository: config/ lives here
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: config/
 SEEDS = 2 ** 32  # --seed: numpy's RNGs take no negative seed, torch.manual_seed none past 2^64
 MAX_COUNT = 2 ** 31 - 1  # every other whole number: iterations, samples, tokens, sizes, times
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,

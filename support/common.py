@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import RUN_FILES, ConfigError, UserError, in_use, make_dir, written
+from support.configurator import RUN_FILES, ConfigError, UserError, in_use, make_dir, written
 
 # -- processes and devices -------------------------------------------------------------------------
 

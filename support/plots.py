@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from PIL import Image  # matplotlib's own dependency
 
-from configurator import written
+from support.configurator import written
 
 matplotlib.use("Agg")  # figures go to files only
 
