@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from support import checkpoints
-from support import plots
+from support import checkpoints, plots
 import prepare
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
+from support.model_extras import depth_label
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
                   "It is the east, and Juliet is the")
@@ -380,7 +380,7 @@ def main(argv):
         cluster(ccfg, acfg.out)
     if acfg.spectral or acfg.lyapunov:
         print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), "
-              f"{mcfg.depth_label(steps, 'euler')}, "
+              f"{depth_label(mcfg, steps, 'euler')}, "
               f"width {mcfg.n_embd}, {mcfg.n_head} heads")
         with torch.no_grad():  # torch.func differentiates inside it all the same
             if acfg.spectral:

@@ -11,7 +11,8 @@ sharing, GPT, Llama, materialised, merged; LoRA adapters are merged into their b
 (the model config and the tokenizer's name), model.safetensors and a model card, README.md.
 `checkpoints.load_model(DIR)` and every script's `--init_from=DIR` load it. It is also a
 transformers model through remote code: config.json's auto_map names the configuration and modeling
-files copied beside it from remote/, which wrap this project's model.py (copied too), and the
+files copied beside it from support/remote/, which wrap this project's model.py (copied too, with
+support/model_extras.py), and the
 tokenizer is written as transformers' tokenizer.json, so that
 
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
@@ -31,16 +32,15 @@ import shutil
 from dataclasses import dataclass
 
 from support.configurator import UserError, check_own_folder, make_dir, parse_config, run_main
-from support import checkpoints
-from support import common
-from support import hf
+from support import checkpoints, common, hf
+from support.model_extras import depth_label
 
 FORMATS = ("diffeqformer", "hf")
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # transformers' remote code of the diffeqformer format: the files copied into the folder
 REMOTE_CODE = {name: os.path.join(ROOT, folder, name) for folder, name in (
-    (".", "model.py"), ("support/remote", "configuration_diffeqformer.py"),
-    ("support/remote", "modeling_diffeqformer.py"))}
+    (".", "model.py"), ("support", "model_extras.py"),
+    ("support/remote", "configuration_diffeqformer.py"), ("support/remote", "modeling_diffeqformer.py"))}
 # the model card's first lines (README.md): what marks a folder as an earlier export, which
 # export.py may replace (check_out)
 CARD = "---\nlibrary_name: transformers\ntags: [diffeqformer, neural-ode, transformer]\n---"
@@ -107,7 +107,7 @@ def model_card(model, tokenizer, facts, source, fmt, name):
     """README.md of the folder: what the model is, how it was trained, how to load it (from `name`,
     the folder or its Hub id, by commands that run as printed), its loss."""
     cfg, loss = model.cfg, validation_loss(facts)
-    depth = cfg.depth_label()
+    depth = depth_label(cfg)
     trained = training(facts, cfg) or "Not recorded in the checkpoint"
     if fmt == "hf":
         cls = "GPT2LMHeadModel" if cfg.flavor == "gpt" else "LlamaForCausalLM"
@@ -118,7 +118,7 @@ def model_card(model, tokenizer, facts, source, fmt, name):
     else:
         load = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
                 f"DIR = {json.dumps(name)}",
-                "# trust_remote_code runs this folder's code (model.py and 2 files): read it first",
+                "# trust_remote_code runs this folder's code (model.py and 3 files): read it first",
                 "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)",
                 "tokenizer = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)"]
         shell = ["", "In DiffEqFormer's repository (`checkpoints.load_model(DIR)` in Python):", "",
@@ -192,8 +192,8 @@ def check_space(model, out):
 # what an export writes, in either format (the transformers one: the first six); the lock it holds
 # meanwhile, as a run does (common.lock, common.LOCK_FILES), stays and is no file of the model
 FILES = ("README.md", "config.json", "generation_config.json", "model.safetensors",
-         "tokenizer.json", "tokenizer_config.json", "model.py", "configuration_diffeqformer.py",
-         "modeling_diffeqformer.py")
+         "tokenizer.json", "tokenizer_config.json", "model.py", "model_extras.py",
+         "configuration_diffeqformer.py", "modeling_diffeqformer.py")
 
 
 def check_out(out):

@@ -23,13 +23,11 @@ from dataclasses import asdict, dataclass
 from support.configurator import ConfigError, UserError, check_out_dir, parse_config, run_main
 import torch
 
-from support import checkpoints
-from support import common
+from support import checkpoints, common, resume, runlog
 import lora
-from support import runlog
 import train
-from model import ModelConfig, check_step_count
-from support import resume
+from model import ModelConfig
+from support.model_extras import check_step_count
 
 DEFAULT_CONFIG = "config/finetune_wikitext2.py"
 

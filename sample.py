@@ -25,11 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from support import checkpoints
-from support import common
+from support import checkpoints, common
 import prepare
-from model import (SOLVERS, Context, block_shapes, check_step_count, evaluations,
-                   sliding_window_mask)
+from model import SOLVERS, block_shapes, evaluations
+from support.model_extras import Context, check_step_count, depth_label, sliding_window_mask
 from support.memory import decoding_gib, device_memory_gib
 
 
@@ -278,7 +277,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
 
 def describe(model, steps, solver):
     """"diffeq (gpt), 6 euler steps" or "baseline (llama), 12 layers": the model as it will run."""
-    return f"{model.cfg.model_type} ({model.cfg.flavor}), {model.cfg.depth_label(steps, solver)}"
+    return f"{model.cfg.model_type} ({model.cfg.flavor}), {depth_label(model.cfg, steps, solver)}"
 
 
 def main(argv):

@@ -30,12 +30,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from support import checkpoints
-from support import common
+from support import checkpoints, common, memory, parallel, resume, runlog
 import prepare
-from support import runlog
-from model import MAX_STEPS, DiffEqFormer, ModelConfig
-from support import memory, parallel, resume
+from model import DiffEqFormer, ModelConfig
+from support.model_extras import MAX_STEPS
 from support.weightgen import WeightGenerator
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from support import common
-from support import runlog
+from support import common, runlog
 import sample
 import train
 from support.configurator import ConfigError, fields_of, parse_config, read_config_file, run_main, split_args
-from model import DiffEqFormer, ModelConfig, stage_times, time_dtype
+from model import DiffEqFormer, ModelConfig, stage_times
+from support.model_extras import time_dtype
 from model import evaluations as model_evaluations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where the probes run
@@ -200,7 +200,7 @@ def train_step(model, call, x, y, env):
 
 def weight_generation(model, env):
     """The hypernetwork's part of a training step alone: W(t) for every stage time, and its backward."""
-    ts = stage_times(model.cfg.n_layer, model.cfg.solver, env.device, time_dtype(model.wte.weight.dtype))
+    ts, _ = stage_times(model.cfg.n_layer, model.cfg.solver, env.device, time_dtype(model.wte.weight.dtype))
     with env.autocast():
         shapes = [t for pair in model.hyper(ts).values() for t in pair if t is not None]
     grads = [torch.randn_like(t) for t in shapes]

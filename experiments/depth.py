@@ -10,7 +10,7 @@ fixed-step solver (METHOD 2). Whether it is any good there is an empirical quest
 table, and plots the loss against N and against the number of vector-field evaluations (the compute:
 N for Euler, 2N for midpoint, 4N for RK4), into --out (depth.png, depth.json).
 
---tolerances adds torchdiffeq's adaptive dopri5 on model.vector_field_at (an optional extra: pip install -r
+--tolerances adds torchdiffeq's adaptive dopri5 on vector_field_at (an optional extra: pip install -r
 requirements-eval.txt), at rtol = atol = each tolerance: the loss of the ODE's exact flow, as exact as asked,
 and the vector-field evaluations it took per forward pass. --adjoint prints the cosine between the loss
 gradient by backpropagation through torchdiffeq's fixed-step solve (the trained solver and step count) and
@@ -24,13 +24,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from support import checkpoints
-from support import common
-from support import plots
+from support import checkpoints, common, plots
 import prepare
 import train
 from support.configurator import UserError, as_user_error, make_dir, parse_config, run_main
-from model import SOLVERS, check_step_count, evaluations, time_dtype
+from model import SOLVERS, evaluations, rope_tables, vector_field
+from support.model_extras import Attend, check_step_count, time_dtype
 
 
 @dataclass
@@ -83,8 +82,25 @@ def torchdiffeq():
     return torchdiffeq
 
 
+def vector_field_at(model, t, x, rope=None, mask=None):
+    """F(t, x), the ODE model's vector field with W(t) generated at any t, as Neural-ODE libraries call
+    one (METHOD 2.1): x (B, T, C) the state after the embedding, rope Llama's tables (default: positions
+    0..T-1), mask the attention's (default: causal). Euler takes W at a step's END: torchdiffeq's euler
+    gives model.integrate's with F(t + h, x); its midpoint is integrate's, its rk4 Kutta's 3/8 rule."""
+    cfg = model.cfg
+    if not cfg.is_ode:
+        raise ValueError(f"a {cfg.model_type} model has layers, not a vector field of t")
+    t = torch.as_tensor(t, dtype=time_dtype(model.wte.weight.dtype), device=x.device).reshape(1)
+    w = model.block.weights() if cfg.model_type == "shared" else {
+        name: tuple(None if z is None else z[0] for z in pair) for name, pair in model.hyper(t).items()}
+    if rope is None and cfg.flavor == "llama":
+        rope = rope_tables(torch.arange(x.size(1), device=x.device), x.size(2) // cfg.n_head, x.dtype)
+    at = None if mask is None else Attend(mask, None, None, None)
+    return vector_field(x, w, cfg, rope, cfg.dropout if model.training else 0.0, at)
+
+
 class Field(torch.nn.Module):
-    """F(t, x) = model.vector_field_at(t + shift, x) as torchdiffeq calls it (a module: the adjoint takes its
+    """F(t, x) = vector_field_at(model, t + shift, x) as torchdiffeq calls it (a module: the adjoint takes its
     parameters), counting its evaluations. shift = h makes torchdiffeq's Euler ours (METHOD 2.1)."""
 
     def __init__(self, model, rope, mask, shift=0.0):
@@ -93,14 +109,14 @@ class Field(torch.nn.Module):
 
     def forward(self, t, x):
         self.evaluations += 1
-        return self.model.vector_field_at(t + self.shift, x, self.rope, self.mask)
+        return vector_field_at(self.model, t + self.shift, x, self.rope, self.mask)
 
 
 def solved_by(model, solve, counter=None, **options):
     """An integrate for model's forward pass: solve(Field, x, [0, 1], **options), torchdiffeq's odeint or
     odeint_adjoint, from the embedded tokens to X(1); counter (a list) collects the evaluations of F."""
-    def integrate(x, steps, solver, rope, dropout, weights=None, mask=None, caches=None, slots=None,
-                  states=None, attentions=None):  # (no trajectory: train.evaluate asks for none)
+    def integrate(x, steps, solver, rope, dropout, weights=None, ctx=None):  # (train.evaluate's:
+        mask = None if ctx is None else ctx.mask  # no cache, no trajectory)
         field = Field(model, rope, mask, 1.0 / steps if options.get("method") == "euler" else 0.0)
         span = torch.linspace(0, 1, steps + 1 if options.get("method") in SOLVERS else 2,
                               dtype=time_dtype(x.dtype), device=x.device)  # fixed steps: the grid

@@ -36,13 +36,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from support import checkpoints
-from support import common
-from support import plots
+from support import checkpoints, common, plots
 import prepare
 import sample
 from support.configurator import ConfigError, UserError, as_user_error, make_dir, parse_config, run_main
-from model import time_dtype
+from support.model_extras import time_dtype
 
 
 LM_NAME = "diffeqformer"  # the model's name in lm-eval's registry: lm_class

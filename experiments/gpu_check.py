@@ -42,14 +42,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from support import common
+from support import common, memory
 from support import runlog  # the peak and FLOP count of train.py's MFU
 import train
 from support.configurator import make_dir, parse_config, run_main, written
 from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
-from support import memory
 from support.weightgen import WeightGenerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where pytest runs

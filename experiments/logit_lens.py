@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from support import plots
 from support.configurator import UserError, make_dir, parse_config, run_main
-from model import SOLVERS, check_step_count
+from model import SOLVERS
+from support.model_extras import check_step_count
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                     "tinyshakespeare", "input.txt")

@@ -45,9 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from support import checkpoints
+from support import checkpoints, runlog
 import prepare
-from support import runlog
 from support.configurator import RUN_FILES, UserError, make_dir, parse_config, run_main
 from model import DiffEqFormer, ModelConfig
 

@@ -16,10 +16,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from support import checkpoints
+from support import checkpoints, parallel
 from support.configurator import ConfigError, UserError
 from model import DiffEqFormer, ModelConfig
-from support import parallel
 
 
 def latest_sharded(folder):

@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support import common
-from support import plots
+from support import common, parallel, plots, resume
 import prepare
 from support.configurator import RUN_FILES, Diverged
 from model import block_shapes, evaluations
-from support import parallel, resume
+from support.model_extras import depth_label
 
 
 class Run:
@@ -202,7 +201,7 @@ def summary(model, cfg, env, data):
     """train.py's run in a few readable lines, printed as it starts (the full configs go into every
     checkpoint)."""
     m, meta = model.cfg, prepare.load_meta(data)
-    depth = m.depth_label()
+    depth = depth_label(m)
     hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
     tokens = cfg.batch_size * cfg.gradient_accumulation_steps * m.block_size
     system = [f"{env.world_size} process" + "es" * (env.world_size > 1)]

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.func import functional_call
 
-from model import TimeDependentLinear, TimeDependentNorm
+from model import TimeDependentLinear, TimeDependentNorm, stage_times
+from support.model_extras import time_dtype
 
 
 class WeightGenerator:
@@ -53,7 +54,7 @@ class WeightGenerator:
 
     def release(self):
         """Forget the weights of the last generate() (their memory goes)."""
-        self.generated = self.leaves = self.grads = self.flat = None
+        self.generated = self.leaves = self.grads = self.flat = self.index = None
 
     # -- sharded: this process's part of the parameters --------------------------------------------
     def full(self, p):
@@ -88,8 +89,9 @@ class WeightGenerator:
         collects dL/dW for backward(); without (evaluation), as plain tensors. Returns them, as
         weights() does."""
         steps, solver = self.model.cfg.depth(steps, solver)
-        ts = self.model.times(steps, solver, offsets)
+        ts, index = times(self.model, steps, solver, offsets)
         self.release()
+        self.index = index  # evaluation j of F uses time index[j] (RK4: 2N + 1 times for 4N)
         with torch.set_grad_enabled(grad):
             if not self.sharded:  # one process or DDP: one HyperNetwork.forward for all the times
                 self.generated = self.hyper(ts)  # {name: (W (T, out, in), b (T, out) or None)}
@@ -133,9 +135,8 @@ class WeightGenerator:
         """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=):
         the leaves themselves (a sharded W's columns in the block's layout), one list per
         micro-step."""
-        T = len(next(iter(self.leaves.values()))[0])
         at = [{name: tuple(None if t is None else t[k] for t in out)
-               for name, out in self.leaves.items()} for k in range(T)]
+               for name, out in self.leaves.items()} for k in self.index]
         return [self.hyper.assemble(w) for w in at] if self.sharded else at
 
     def backward(self):
@@ -159,6 +160,17 @@ class WeightGenerator:
         self.release()  # the leaves go before the pull-back
         torch.autograd.backward(outputs, grads)
         del generated
+
+
+def times(model, steps, solver, offsets=None):
+    """model's stage times (ts, each evaluation's index among them: model.stage_times) in the time
+    dtype on its device, Euler's moved back inside their steps by offsets (steps,) in [0, 1):
+    t_k = (k + 1 - offsets_k) / N (METHOD 8.2)."""
+    w = model.wte.weight
+    ts, index = stage_times(steps, solver, w.device, time_dtype(w.dtype))
+    if offsets is not None and (solver != "euler" or offsets.shape != (steps,)):
+        raise ValueError(f"offsets need the euler solver and one offset per step ({steps})")
+    return (ts if offsets is None else ts - offsets.to(ts) / steps), index
 
 
 def collect_into(buffer):

@@ -77,7 +77,7 @@ def test_spectra_equal_numpy_eigvals_of_the_materialised_weights(model_type, fla
         assert all((e.abs().diff(dim=-1) <= 1e-12).all() for e in (qk, ov, ffn))  # by decreasing magnitude
         assert qk.dtype == torch.complex128 and (qk.imag.abs() > 1e-3).any()  # complex eigenvalues kept whole
         if model.cfg.is_ode:  # the curves' path (weights at any t) agrees with the forward's at t_k = (k+1)/N
-            curve = analyze.spectra(analyze.weights_at(model, stage_times(N, "euler", dtype=torch.float64)), model.cfg)
+            curve = analyze.spectra(analyze.weights_at(model, stage_times(N, "euler", dtype=torch.float64)[0]), model.cfg)
             assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(curve, (qk, ov, ffn)))
 
 

@@ -14,14 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support import checkpoints
-from support import common
+from support import checkpoints, common, parallel, resume
 import export
 import finetune
 import lora
 import sample
 import train
-from support import resume, parallel
 from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 

@@ -18,7 +18,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from support.configurator import parse_config
-from model import FLAVORS, MODEL_TYPES, DiffEqFormer, ModelConfig
+from model import DiffEqFormer, ModelConfig
+from support.model_extras import FLAVORS, MODEL_TYPES
 from sample import generate
 from support import memory
 from train import DEFAULT_CONFIG, TrainConfig

@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-from support import checkpoints
-from support import common
+from support import checkpoints, common
 import export
 import finetune
 import lora

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import analyze
-from support import checkpoints
-from support import common
+from support import checkpoints, common
 import finetune
 import lora
 import prepare

@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from support import checkpoints
-from support import common
+from support import checkpoints, common
 import finetune
 import lora
 import prepare

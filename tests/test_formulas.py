@@ -10,8 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import analyze
-from support import common
-from support import runlog
+from support import common, runlog
 import train
 from lora import LoRA
 from model import DiffEqFormer, ModelConfig, TimeDependentLinear

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from model import DiffEqFormer, ModelConfig, stage_times
+from support.model_extras import Context
+from support.weightgen import WeightGenerator
 
 from conftest import TINY, from_config_file
 
@@ -49,8 +51,8 @@ def test_materialize_equals_ode_with_same_steps(flavor):
 
 def test_euler_takes_the_weights_at_the_end_of_each_step():
     """METHOD 2: t_k = (k + 1) / N, as the reference; layer k of the materialised model holds W(t_k)."""
-    assert torch.equal(stage_times(4, "euler"), torch.tensor([0.25, 0.5, 0.75, 1.0]))
-    assert torch.equal(stage_times(2, "midpoint"), torch.tensor([0.0, 0.25, 0.5, 0.75]))
+    assert torch.equal(stage_times(4, "euler")[0], torch.tensor([0.25, 0.5, 0.75, 1.0]))
+    assert torch.equal(stage_times(2, "midpoint")[0], torch.tensor([0.0, 0.25, 0.5, 0.75]))
     model = randomized(tiny())
     layers = model.materialize(4)
     for k in range(4):
@@ -210,7 +212,7 @@ def test_time_embedding_and_generated_weight_follow_spec3():
 @pytest.mark.parametrize("flavor", ["gpt", "llama"])
 def test_batched_weights_equal_one_time_at_a_time(flavor):
     model = randomized(tiny(flavor=flavor))
-    ts = stage_times(5, "rk4")
+    ts, _ = stage_times(5, "rk4")
     batched = model.hyper(ts)
     assert set(batched) == {"ln_1", "ln_2", "attn", "proj", *(("gate", "up", "down") if flavor == "llama" else ("fc", "fc2"))}
     for j, t in enumerate(ts):
@@ -290,7 +292,8 @@ def test_a_checkpointed_pass_asked_for_its_trajectory_gives_it_once(model_type):
     for ckpt in (False, True):
         model = randomized(tiny(model_type=model_type, checkpoint=ckpt)).train()
         states, attentions = [], []
-        _, loss = model(tokens(), targets=tokens(seed=2), states=states, attentions=attentions)
+        ctx = Context(torch.arange(16), states=states, attentions=attentions)
+        _, loss = model(tokens(), targets=tokens(seed=2), context=ctx)
         loss.backward()
         assert len(states) == len(attentions) + 1 == TINY["n_layer"] + 1
         assert all(a.shape == (2, TINY["n_head"], 16, 16) for a in attentions)
@@ -333,7 +336,7 @@ def test_zero_offsets_and_the_reference_time_scale_change_nothing():
     torch.manual_seed(0)
     plain, _ = model(idx)
     torch.manual_seed(0)
-    zero, _ = model(idx, weights=model.step_weights(3, "euler", offsets=torch.zeros(3)))
+    zero, _ = model(idx, weights=WeightGenerator(model).generate(3, "euler", torch.zeros(3), grad=False))
     assert torch.equal(plain, zero) and torch.equal(plain, same(idx)[0])
     smoother = randomized(tiny(time_scale=10.0))
     assert (smoother(idx)[0] - plain).abs().max() > 1e-3
@@ -343,11 +346,11 @@ def test_offsets_move_each_euler_step_back_inside_its_step():
     """offsets_k in [0, 1): step k uses W((k + 1 - offsets_k) / N)."""
     model = randomized(tiny())
     offsets = torch.tensor([0.5, 0.0, 0.25])
-    w = model.step_weights(3, "euler", offsets)
+    w = WeightGenerator(model).generate(3, "euler", offsets, grad=False)
     for k, t in enumerate((0.5 / 3, 2 / 3, 2.75 / 3)):
         assert torch.allclose(w[k]["fc"][0], model.hyper(torch.tensor([t]))["fc"][0][0], atol=1e-6)
     with pytest.raises(ValueError, match="one offset per step"):
-        model.step_weights(3, "euler", torch.zeros(2))
+        WeightGenerator(model).generate(3, "euler", torch.zeros(2), grad=False)
 
 
 def smooth_model():

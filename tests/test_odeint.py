@@ -1,4 +1,4 @@
-"""model.vector_field_at, the bridge to the Neural-ODE toolchain (METHOD 2.1): the fixed-step
+"""vector_field_at (experiments/depth.py), the bridge to the Neural-ODE toolchain (METHOD 2.1): the fixed-step
 solvers written on it, and torchdiffeq's (where it is installed), reproduce model.integrate, with
 Euler's weights taken at the end of each step."""
 import importlib.util
@@ -6,6 +6,7 @@ import importlib.util
 import pytest
 import torch
 
+from experiments.depth import vector_field_at
 from model import rope_tables
 from test_sample import random_model
 
@@ -29,9 +30,9 @@ def integrated(model, x, rope, solver):
 
 
 def by_hand(model, x, solver, steps=STEPS, states=None):
-    """integrate's three solvers written out on F(t, x) = model.vector_field_at (METHOD 6-8); the
+    """integrate's three solvers written out on F(t, x) = vector_field_at(model, t, x) (METHOD 2); the
     state after each step appended to `states`, where given."""
-    F, h = model.vector_field_at, 1.0 / steps
+    F, h = (lambda t, x: vector_field_at(model, t, x)), 1.0 / steps
     for k in range(steps):
         t = k * h
         if solver == "euler":  # the weights at the END of the step
@@ -65,10 +66,10 @@ def test_vector_field_at_is_the_field_at_that_time_not_a_neighbour():
     model = random_model()
     x, _ = state_and_rope(model)
     with torch.no_grad():
-        later = model.vector_field_at(0.5 + 1 / STEPS, x)  # one step later
-        assert (model.vector_field_at(0.5, x) - later).abs().max() > 1e-3
+        later = vector_field_at(model, 0.5 + 1 / STEPS, x)  # one step later
+        assert (vector_field_at(model, 0.5, x) - later).abs().max() > 1e-3
     with pytest.raises(ValueError, match="baseline model has layers, not a vector field"):
-        random_model("baseline").vector_field_at(0.5, x)
+        vector_field_at(random_model("baseline"), 0.5, x)
 
 
 @needs_torchdiffeq
@@ -79,9 +80,9 @@ def test_torchdiffeq_euler_with_f_a_step_later_and_midpoint_are_integrate(model_
     x, rope = state_and_rope(model)
     grid = torch.linspace(0, 1, STEPS + 1, dtype=torch.float64)  # fixed-grid solvers step on it
     with torch.no_grad():
-        later = lambda t, y: model.vector_field_at(t + 1 / STEPS, y)  # F a step later: METHOD 2.1
+        later = lambda t, y: vector_field_at(model, t + 1 / STEPS, y)  # F a step later: METHOD 2.1
         euler = odeint(later, x, grid, method="euler")[-1]
-        midpoint = odeint(model.vector_field_at, x, grid, method="midpoint")[-1]
+        midpoint = odeint(lambda t, y: vector_field_at(model, t, y), x, grid, method="midpoint")[-1]
         expected = integrated(model, x, rope, "euler"), integrated(model, x, rope, "midpoint")
         torch.testing.assert_close((euler, midpoint), expected, rtol=1e-10, atol=1e-10)
 
@@ -93,7 +94,7 @@ def test_torchdiffeq_rk4_is_the_three_eighths_rule_not_integrates_classical_rk4(
     from torchdiffeq import odeint
     model = random_model()
     x, rope = state_and_rope(model)
-    F, h = model.vector_field_at, 1.0 / STEPS
+    F, h = (lambda t, x: vector_field_at(model, t, x)), 1.0 / STEPS
     with torch.no_grad():
         grid = torch.linspace(0, 1, STEPS + 1, dtype=torch.float64)
         theirs = odeint(F, x, grid, method="rk4")[-1]

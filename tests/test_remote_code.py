@@ -26,6 +26,7 @@ import sample
 from support.configurator import UserError
 from conftest import ROOT, TINY, tokenizer_or_skip
 from model import SOLVERS
+from support.model_extras import Context
 from test_export import KINDS, checkpoint, random_model, saved, same_tokens  # noqa: F401 (saved: a fixture)
 from test_odeint import by_hand
 
@@ -43,7 +44,9 @@ def remote_code_as_mutmut_sees_it():
         yield
         return
     import model
+    from support import model_extras
     sys.modules["support.remote.model"] = model  # the folder's copy, `from .model import ...`
+    sys.modules["support.remote.model_extras"] = model_extras
 
     def repository_class(name, path, **kwargs):
         return getattr(importlib.import_module(f"support.remote.{os.path.basename(path)[:-3]}"), name)
@@ -55,6 +58,11 @@ def remote_code_as_mutmut_sees_it():
             mock.patch("transformers.modeling_utils.custom_object_save", copy_code), \
             mock.patch("transformers.configuration_utils.custom_object_save", copy_code):
         yield
+
+
+def extras_of(theirs):
+    """The folder's model_extras module, as transformers loaded it beside its model.py."""
+    return sys.modules[type(theirs.model).__module__.rsplit(".", 1)[0] + ".model_extras"]
 
 
 def auto(folder, **kwargs):
@@ -800,7 +808,7 @@ def embedded(model, idx):
 def test_hidden_states_are_the_odes_states_step_by_step(kind, solver, steps, saved, exported):  # noqa: F811
     """output_hidden_states=True: X(0), then the state after each solver step (steps + 1 of them),
     each as written out apart from model.integrate (Euler: the layer outputs of the materialised
-    N-layer model; midpoint, RK4: on model.vector_field_at), the last after the final norm, on which
+    N-layer model; midpoint, RK4: on vector_field_at), the last after the final norm, on which
     the head reads the logits (as GPT-2 and Llama give theirs)."""
     ours, _ = checkpoints.load_model(saved[kind])
     theirs = auto(exported[kind], steps=steps, solver=solver)
@@ -864,8 +872,7 @@ def test_attentions_are_each_evaluations_probabilities(kind, solver, steps, use_
     idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(14))
     calls, softmax = [], []
     with torch.no_grad(), mock.patch.object(F, "scaled_dot_product_attention", explicit_softmax(calls)), \
-            mock.patch.object(sys.modules[type(theirs.model).__module__], "attention_probs",
-                              wraps=sys.modules[type(theirs.model).__module__].attention_probs) as probs:
+            mock.patch.object(extras_of(theirs), "attention_probs", wraps=extras_of(theirs).attention_probs) as probs:
         plain = theirs(idx, use_cache=use_cache).logits
         assert probs.call_count == 0  # not asked: not computed
         calls.clear()
@@ -959,7 +966,7 @@ def test_the_trajectory_past_a_llama_context_through_the_cache_is_the_recomputed
 
 def test_the_trajectory_carries_gradients(saved, exported):  # noqa: F811
     """A loss on a hidden state X(t_k) back-propagates as the same loss on the states written out
-    on model.vector_field_at does: the same gradient for every weight (the hypernetwork's too)."""
+    on vector_field_at does: the same gradient for every weight (the hypernetwork's too)."""
     ours, _ = checkpoints.load_model(saved["diffeq"])
     theirs = auto(exported["diffeq"])
     idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(18))
@@ -990,7 +997,7 @@ def test_automodel_and_feature_extraction_give_the_last_hidden_state(kind, saved
         out = base(idx)
         last = auto(exported[kind])(idx, output_hidden_states=True).hidden_states[-1]
         states = []
-        ours(idx, states=states)
+        ours(idx, context=Context(torch.arange(idx.size(1)), states=states))
         expected = ours.ln_f(states[-1])
     assert out.hidden_states is None and torch.equal(out.last_hidden_state, last)
     torch.testing.assert_close(out.last_hidden_state, expected, rtol=1e-5, atol=1e-5)

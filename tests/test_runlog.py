@@ -10,8 +10,7 @@ import types
 import pytest
 import torch
 
-from support import common
-from support import runlog
+from support import common, runlog
 import train
 from support.configurator import Diverged, Interrupted
 from model import DiffEqFormer, ModelConfig

@@ -14,10 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from support import checkpoints
-from support import common
+from support import checkpoints, common, memory, parallel
 import train
-from support import memory, parallel
 from support.weightgen import WeightGenerator
 from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
@@ -124,7 +122,7 @@ def test_weights_once_per_step_at_drawn_times_give_the_plain_gradients():
     x = micro_batches(1, TINY["vocab_size"])[0]
     cfg = train.TrainConfig(train_steps="2-6", time_jitter=True)
     steps, offsets = train.iteration_steps(0, cfg, model.cfg)
-    _, loss = model(x, x, steps=steps, weights=model.step_weights(steps, "euler", offsets))
+    _, loss = model(x, x, steps=steps, weights=WeightGenerator(model).generate(steps, "euler", offsets, grad=False))
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)

@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from support import checkpoints
-from support import common
-from support import runlog
+from support import checkpoints, common, memory, parallel, runlog
+from support.weightgen import times
 import train
-from support import memory, parallel
 from support.configurator import ConfigError, UserError, coerce, parse_config
 from model import DiffEqFormer, ModelConfig
 
@@ -187,7 +185,7 @@ def test_the_maximum_step_count_is_accepted_wherever_steps_are_given():
     import finetune
     import sample
     from experiments import depth
-    from model import MAX_STEPS
+    from support.model_extras import MAX_STEPS
     assert MAX_STEPS == 1024
     model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=8, n_head=1, vocab_size=8, block_size=4,
                                      d_t=2, time_freqs=2))
@@ -509,7 +507,7 @@ def float16_step(model, optimizer, cfg, env, it=0, overflow=False):
 
 def test_float16_time_features_and_generated_weights_are_finite_at_the_papers_scale():
     """t times the paper's time scale 1000 in fp16 would be off by up to 0.25 (fp16's spacing near
-    1000 is 0.5) and scramble the sinusoids; times and time features stay fp32 (model.time_dtype).
+    1000 is 0.5) and scramble the sinusoids; times and time features stay fp32 (model_extras.time_dtype).
     At GPT-small's shapes (width 768, d_t 20, S 128, 12 steps), the weights that the hypernetwork
     generates in float16, under autocast and as an fp16 model, are finite and within fp16's
     rounding of the fp32 ones."""
@@ -519,11 +517,11 @@ def test_float16_time_features_and_generated_weights_are_finite_at_the_papers_sc
     torch.manual_seed(0)
     model = DiffEqFormer(mcfg)
     with torch.no_grad():
-        want = model.hyper(model.times(12, "euler"))
+        want = model.hyper(times(model, 12, "euler")[0])
         with torch.autocast("cpu", dtype=torch.float16):
-            autocast = model.hyper(model.times(12, "euler"))
+            autocast = model.hyper(times(model, 12, "euler")[0])
         model.half()
-        ts = model.times(12, "euler")
+        ts = times(model, 12, "euler")[0]
         assert ts.dtype == model.hyper.time_embedding(ts).dtype == torch.float32
         half = model.hyper(ts)
     for name, (W, b) in want.items():

@@ -42,7 +42,8 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_diffeqformer import DiffEqFormerConfig
-from .model import Context, DiffEqFormer, ModelConfig
+from .model import DiffEqFormer, ModelConfig
+from .model_extras import Context
 
 WINDOWS_PER_PASS = 64  # GPT-flavour tokens past the context re-read per pass (bounds the memory)
 
@@ -287,9 +288,10 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         logits and, where trajectory (states?, attentions?) asks, its states X(t_k), the last one
         after the final norm (as GPT-2 and Llama give theirs), and its attention probabilities."""
         states, attentions = ([] if asked else None for asked in trajectory)
+        context = context or Context.plain(idx.size(1), self.model.cfg, idx.device)
+        context = context._replace(states=states, attentions=attentions)
         logits = self.model(idx, steps=self.config.steps, solver=self.config.solver,
-                            weights=weights, context=context, states=states,
-                            attentions=attentions)[0]
+                            weights=weights, context=context)[0]
         if states:
             states[-1] = self.model.ln_f(states[-1])
         return Pass(logits, states, attentions)
