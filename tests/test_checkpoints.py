@@ -21,6 +21,7 @@ import lora
 import sample
 import train
 from support.configurator import UserError
+from support.model_extras import depth_label
 from model import DiffEqFormer, ModelConfig
 
 from conftest import ROOT, TINY, no_work, without_work
@@ -140,7 +141,7 @@ def test_a_folders_saved_depth_is_the_depth_it_loads_at(tmp_path, steps, solver)
         expected = model(idx, steps=steps, solver=solver)[0]
         assert not torch.equal(expected, model(idx)[0])
         assert torch.equal(loaded(idx)[0], expected)
-    assert loaded.cfg.depth_label() == model.cfg.depth_label(steps, solver)
+    assert depth_label(loaded.cfg) == depth_label(model.cfg, steps, solver)
 
 
 @pytest.mark.parametrize("model_type,depth,message", [

@@ -26,7 +26,7 @@ import sample
 from support.configurator import UserError
 from conftest import ROOT, TINY, tokenizer_or_skip
 from model import SOLVERS
-from support.model_extras import Context
+from support.model_extras import Context, depth_label
 from test_export import KINDS, checkpoint, random_model, saved, same_tokens  # noqa: F401 (saved: a fixture)
 from test_odeint import by_hand
 
@@ -152,7 +152,7 @@ def test_a_saved_depth_is_the_depth_of_every_loader(depth, saved, exported, tmp_
             assert torch.equal(checkpoints.load_model(str(folder))[0](idx)[0], expected)
             torch.testing.assert_close(auto(folder)(idx).logits, expected, rtol=0, atol=0)
     sample.main([f"--init_from={tmp_path / 'deeper'}", "--max_new_tokens=2", "--start=!"])
-    assert f"diffeq (gpt), {ours.cfg.depth_label(**depth)}" in capsys.readouterr().err
+    assert f"diffeq (gpt), {depth_label(ours.cfg, **depth)}" in capsys.readouterr().err
 
 
 def test_labels_give_the_projects_loss(saved, exported):  # noqa: F811

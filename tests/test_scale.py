@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from support import checkpoints, common, memory, parallel
 import train
-from support.weightgen import WeightGenerator
+from support.weightgen import WeightGenerator, times
 from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
@@ -122,7 +122,10 @@ def test_weights_once_per_step_at_drawn_times_give_the_plain_gradients():
     x = micro_batches(1, TINY["vocab_size"])[0]
     cfg = train.TrainConfig(train_steps="2-6", time_jitter=True)
     steps, offsets = train.iteration_steps(0, cfg, model.cfg)
-    _, loss = model(x, x, steps=steps, weights=WeightGenerator(model).generate(steps, "euler", offsets, grad=False))
+    ts, index = times(model, steps, "euler", offsets)  # W(t) at the drawn times, differentiable
+    w = model.hyper(ts)
+    weights = [{n: tuple(None if t is None else t[i] for t in pair) for n, pair in w.items()} for i in index]
+    _, loss = model(x, x, steps=steps, weights=weights)
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
