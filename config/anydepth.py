@@ -1,4 +1,4 @@
-# The default CPU run trained for any depth (README, "Any depth without fine-tuning"): every iteration
+# The default CPU run trained for any depth (docs/any-depth.md): every iteration
 # draws its step count from 3..9, integrates with RK4, and the time embedding turns 100 x slower than
 # the authors' (time_scale 10, not 1000). Trained through an accurate solver, the model learns a vector
 # field whose flow is good, not one discrete map: measured over 1000 iterations, RK4 at 3 to 12 steps

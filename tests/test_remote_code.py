@@ -605,7 +605,7 @@ def test_peft_lora_on_a_blocks_linears_trains_and_merges(kind, exported, tmp_pat
 
 @pytest.mark.parametrize("kind, wrapped", [("llama", ["attn", "down", "gate", "proj", "up"]), ("diffeq", ["L1", "L2"])])
 def test_peft_all_linear_leaves_the_llama_head_out(kind, wrapped, exported):
-    """target_modules="all-linear" (the recipe of docs/export.md) wraps every block linear of a
+    """target_modules="all-linear" (the recipe of docs/transformers-tools.md) wraps every block linear of a
     Llama-flavour model and not its head, as in LlamaForCausalLM (peft leaves out what
     get_output_embeddings names), and a DiffEqFormer's time MLPs; merged, the logits are the peft
     model's."""
