@@ -115,12 +115,15 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     if state is None or state.key != key:  # as gpt-fast's setup_caches: new where the last won't do
         caches = [KVCache(batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, device, dtype)
                   for _ in range(evaluations(cfg, steps, solver))]
-        held = sampling.in_dtype(weights, head, dtype, block_shapes(cfg))  # what F.linear takes
-        STATES[model] = state = DecodingState(key, caches, *held)
+        # what F.linear multiplies by (the linears' weights, the head), in the step's dtype
+        weights_in, head_in = sampling.in_dtype(weights, head, dtype, block_shapes(cfg))
+        STATES[model] = state = DecodingState(key, caches, weights_in, head_in)
         sampling.mark_static(state.tensors())  # for CUDA graphs, which read them in place
+    # the weights copied into place (copy_ casts; a tensor kept as it is needs none); the caches'
+    # stale slots need no clearing: they stay masked
     for mine, new in zip(weight_tensors(state.weights, state.head), weight_tensors(weights, head),
                          strict=True):
-        if mine is not new:  # copy_ casts; the caches' stale slots stay masked
+        if mine is not new:
             mine.copy_(new)
     return state
 
