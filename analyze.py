@@ -8,7 +8,7 @@ App. B, C.8, E, F).
     python analyze.py --cluster              # the particle simulation; needs no checkpoint
     python analyze.py --all --init_from=out/ckpt.pt --out=out-analyze
 
-Three modes, each writing the raw arrays and figures (drawn by plots.py) into --out:
+Three modes, each writing the raw arrays and figures (drawn by support/plots.py) into --out:
 
 * `--spectral` (Fig. 2a/2b, App. E): eigenvalues of QK_h(t) = Wq_h Wk_h^T and OV_h(t) = Wv_h Wo_h
   for every head, and of the FFN product W1 W2, in the "x W" convention of METHOD 6. For an ODE
@@ -33,66 +33,17 @@ MLP (theirs bypass it) and the eigenvalues stay complex (theirs drop the imagina
 import os
 from dataclasses import dataclass
 
-from support.configurator import UserError, as_user_error, make_dir, parse_config, run_main, written
+from support.configurator import as_user_error, make_dir, parse_config, run_main
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from support import checkpoints, plots
+from support import analysis, checkpoints, plots
 import prepare
 from model import apply_rope, norm, rope_tables, sequential_block, vector_field
 from support.model_extras import depth_label
-
-DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
-                  "It is the east, and Juliet is the")
-MAX_TIMES = 10_000  # --times: more points than a figure has pixels across (1,000 take 18 s on the
-# default checkpoint on the shared CPU; 100,000,000 took 6 h 48 min on a tiny model)
-# f(t) = t^p; p = 0 is 1
-SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}
-
-
-@dataclass
-class AnalyzeConfig:
-    spectral: bool = False  # eigenvalues of QK, OV and the FFN product over t or layers
-                            # (Fig. 2a/2b, App. E)
-    cluster: bool = False  # the particle simulation of App. C.8 (Fig. 2c/2d); needs no checkpoint
-    lyapunov: bool = False  # token sensitivity by Lyapunov exponents (Eq. 7, Fig. 3)
-    all: bool = False  # all three
-    init_from: str = "out/ckpt.pt"  # the checkpoint to analyse (what `python train.py` writes)
-    out: str = "out-analyze"  # folder for the figures and arrays
-    steps: int = 0  # Euler steps of an ODE checkpoint (0: the checkpoint's own n_layer)
-    times: int = 100  # spectral: time points in [0, 1] for the curves of an ODE checkpoint
-    prompt: str = DEFAULT_PROMPT  # lyapunov: the text whose last position is analysed, or FILE:path
-    top: int = 10  # lyapunov: how many of the most sensitive tokens to print
-
-    def __post_init__(self):
-        if self.all:
-            self.spectral = self.cluster = self.lyapunov = True
-        if self.steps < 0 or not 2 <= self.times <= MAX_TIMES or self.top < 1:
-            raise ValueError(f"need --steps >= 0, --times in 2..{MAX_TIMES:,} and --top >= 1, "
-                             f"got {self.steps}, {self.times}, {self.top}")
-
-
-@dataclass
-class ClusterConfig:
-    particles: int = 40  # n, sampled uniformly in [-1, 1]^dim
-    dim: int = 3  # the figure shows the first three coordinates
-    sim_steps: int = 200  # Euler steps over t in [0, 1]
-    weight_std: float = 4.0  # std of the entries of Q0, K0, V0: the interaction strength at t = 1
-    sphere: bool = True  # project the particles onto the unit sphere after each step
-                         # (Geshkovski et al.)
-    seed: int = 0
-    cluster_cos: float = 0.99  # two particles are in one cluster when linked by cosine
-                               # similarities >= this
-
-    def __post_init__(self):
-        if self.particles < 2 or self.dim < 3 or self.sim_steps < 1 or self.weight_std <= 0:
-            raise ValueError("need --particles >= 2, --dim >= 3, --sim_steps >= 1 "
-                             "and --weight_std > 0")
-        if not -1.0 < self.cluster_cos < 1.0:
-            raise ValueError(f"--cluster_cos={self.cluster_cos} must be in (-1, 1)")
 
 
 # -- the weights the forward pass multiplies by ----------------------------------------------------
@@ -139,52 +90,10 @@ def spectra(w, cfg):
     return [e.gather(-1, e.abs().argsort(dim=-1, descending=True)) for e in eig]
 
 
-def spectral(model, steps, times, out):
-    """--spectral: the eigenvalues along t (ODE: --times points and the forward grid) or along the
-    layers."""
-    cfg = model.cfg
-    names = ("qk", "ov", "ffn")
-    grid = [s.numpy() for s in spectra(stack(model.step_weights(steps, "euler")), cfg)]
-    if cfg.is_ode:
-        ts = torch.linspace(0, 1, times, dtype=torch.float64)
-        chunks = [spectra(weights_at(model, chunk), cfg)
-                  for chunk in tqdm(ts.split(16), desc="spectra", leave=False)]
-        curves = [torch.cat(parts).numpy() for parts in zip(*chunks)]
-        grid_x = np.arange(1, steps + 1) / steps
-        arrays = dict(t=ts.numpy(), t_grid=grid_x, **dict(zip(names, curves)),
-                      **{f"{n}_grid": g for n, g in zip(names, grid)})
-        x, xlabel = ts.numpy(), "t"
-    else:
-        grid_x, curves = np.arange(1, steps + 1), grid
-        arrays = dict(layer=grid_x, **dict(zip(names, grid)))
-        x, xlabel = grid_x, "layer"
-    os.makedirs(out, exist_ok=True)
-    with written(os.path.join(out, "spectral.npz")) as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    titles = {"qk": "QK_h = Wq_h Wk_h^T", "ov": "OV_h = Wv_h Wo_h", "ffn": "FFN product W1 W2"}
-    paths = [plots.spectrum(x, curve, grid_x if cfg.is_ode else None, g, xlabel,
-                            f"{titles[n]} ({cfg.model_type}, {cfg.flavor}, N = {steps})",
-                            os.path.join(out, f"spectral_{n}.png"))
-             for n, curve, g in zip(names, curves, grid)]
-    print("spectral radius (largest |eigenvalue|, over heads) " +
-          ("at the forward pass's times t_k = (k+1)/N:" if cfg.is_ode else "layer by layer:"))
-    print(f"{xlabel:>8}  {'QK':>9}  {'OV':>9}  {'FFN':>9}")
-    for i, point in enumerate(grid_x):
-        print(f"{point:8.3g}  " + "  ".join(f"{np.abs(g[i]).max():9.4g}" for g in grid))
-    for n, g, curve in zip(names, grid, curves):
-        radius = np.abs(g).reshape(steps, -1).max(axis=1)
-        line = (f"{n.upper()}: spectral radius {radius[0]:.4g} at {xlabel} {grid_x[0]:.3g} "
-                f"-> {radius[-1]:.4g} at {grid_x[-1]:.3g}, "
-                f"largest {radius.max():.4g} at {grid_x[radius.argmax()]:.3g}")
-        # between the grid times the weights are never used by the N-step forward pass
-        if cfg.is_ode:
-            between = np.abs(curve).reshape(len(x), -1).max(axis=1)
-            line += f"; over all {times} times: {between.min():.4g} .. {between.max():.4g}"
-        print(line)
-    print(f"wrote {', '.join(paths)} and {os.path.join(out, 'spectral.npz')}")
-
-
 # -- clustering of particles (METHOD 6, App. C.8, Fig. 2c/2d) --------------------------------------
+
+SCHEDULES = {"f = 1 (shared)": 0, "f = t": 1, "f = t^2": 2, "f = t^3": 3, "f = t^4": 4}  # t^p
+
 
 def simulate_particles(x0, Q0, K0, V0, power, steps, sphere):
     """dx_i/dt = sum_j softmax_j(<Q(t) x_i, K(t) x_j>) V(t) x_j with Q, K, V = f(t) (Q0, K0, V0),
@@ -217,35 +126,6 @@ def count_clusters(x, min_cos):
         if (wider == reach).all():
             return len({row.tobytes() for row in reach})
         reach = wider
-
-
-def cluster(ccfg, out):
-    """--cluster: simulate every schedule from the same particles and matrices; figure, table,
-    arrays."""
-    rng = np.random.default_rng(ccfg.seed)
-    x0 = rng.uniform(-1.0, 1.0, (ccfg.particles, ccfg.dim))
-    Q0, K0, V0 = (ccfg.weight_std * rng.standard_normal((ccfg.dim, ccfg.dim)) for _ in range(3))
-    paths = np.stack([simulate_particles(x0, Q0, K0, V0, p, ccfg.sim_steps, ccfg.sphere)
-                      for p in SCHEDULES.values()])
-    t = np.arange(ccfg.sim_steps + 1) / ccfg.sim_steps
-    # (schedules, steps+1)
-    clusters = np.array([[count_clusters(x, ccfg.cluster_cos) for x in path] for path in paths])
-    os.makedirs(out, exist_ok=True)
-    with written(os.path.join(out, "cluster.npz")) as tmp, open(tmp, "wb") as f:
-        np.savez(f, t=t, trajectories=paths, clusters=clusters, schedules=list(SCHEDULES), x0=x0,
-                 Q0=Q0, K0=K0, V0=V0)
-    rows = np.linspace(0, ccfg.sim_steps, 5).round().astype(int)
-    table = [f"clusters among {ccfg.particles} particles (cosine >= {ccfg.cluster_cos}), "
-             f"{'on the sphere' if ccfg.sphere else 'no projection'}, seed {ccfg.seed}",
-             f"{'schedule':<16}" + "".join(f"{f't={t[r]:.2f}':>8}" for r in rows)]
-    table += [f"{name:<16}" + "".join(f"{c[r]:8d}" for r in rows)
-              for name, c in zip(SCHEDULES, clusters)]
-    print("\n".join(table))
-    with written(os.path.join(out, "cluster.txt")) as tmp, open(tmp, "w") as f:
-        f.write("\n".join(table) + "\n")
-    png = plots.clusters(list(SCHEDULES), paths, t, clusters, ccfg,
-                         os.path.join(out, "cluster.png"))
-    print(f"wrote {png}, {os.path.join(out, 'cluster.txt')} and {os.path.join(out, 'cluster.npz')}")
 
 
 # -- Lyapunov token sensitivity (METHOD 6, Eq. 7, App. B) ------------------------------------------
@@ -317,71 +197,128 @@ def last_position_attention(x, w, cfg, rope):
     return F.softmax(q[:, -1:] @ k.mT / q.size(-1) ** 0.5, dim=-1)[:, 0]  # (H, T)
 
 
+# -- the command line: each mode writes its arrays, figures and table into --out -------------------
+
+DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
+                  "It is the east, and Juliet is the")
+
+
+@dataclass
+class AnalyzeConfig:
+    spectral: bool = False  # eigenvalues of QK, OV and the FFN product over t or layers
+                            # (Fig. 2a/2b, App. E)
+    cluster: bool = False  # the particle simulation of App. C.8 (Fig. 2c/2d); needs no checkpoint
+    lyapunov: bool = False  # token sensitivity by Lyapunov exponents (Eq. 7, Fig. 3)
+    all: bool = False  # all three
+    init_from: str = "out/ckpt.pt"  # the checkpoint to analyse (what `python train.py` writes)
+    out: str = "out-analyze"  # folder for the figures and arrays
+    steps: int = 0  # Euler steps of an ODE checkpoint (0: the checkpoint's own n_layer)
+    times: int = 100  # spectral: time points in [0, 1] for the curves of an ODE checkpoint
+    prompt: str = DEFAULT_PROMPT  # lyapunov: the text whose last position is analysed, or FILE:path
+    top: int = 10  # lyapunov: how many of the most sensitive tokens to print
+
+    def __post_init__(self):
+        if self.all:
+            self.spectral = self.cluster = self.lyapunov = True
+        analysis.check_options(self)
+
+
+@dataclass
+class ClusterConfig:
+    particles: int = 40  # n, sampled uniformly in [-1, 1]^dim
+    dim: int = 3  # the figure shows the first three coordinates
+    sim_steps: int = 200  # Euler steps over t in [0, 1]
+    weight_std: float = 4.0  # std of the entries of Q0, K0, V0: the interaction strength at t = 1
+    sphere: bool = True  # project the particles onto the unit sphere after each step
+                         # (Geshkovski et al.)
+    seed: int = 0
+    cluster_cos: float = 0.99  # two particles are in one cluster when linked by cosine
+                               # similarities >= this
+
+    def __post_init__(self):
+        analysis.check_cluster(self)
+
+
+def spectral(model, steps, times, out):
+    """--spectral: the eigenvalues along t (an ODE's --times points and its grid) or the layers."""
+    cfg, names = model.cfg, ("qk", "ov", "ffn")
+    grid = [s.numpy() for s in spectra(stack(model.step_weights(steps, "euler")), cfg)]
+    if cfg.is_ode:
+        ts = torch.linspace(0, 1, times, dtype=torch.float64)
+        chunks = [spectra(weights_at(model, chunk), cfg)
+                  for chunk in tqdm(ts.split(16), desc="spectra", leave=False)]
+        curves = [torch.cat(parts).numpy() for parts in zip(*chunks)]
+        grid_x = np.arange(1, steps + 1) / steps
+        arrays = dict(t=ts.numpy(), t_grid=grid_x, **dict(zip(names, curves)),
+                      **{f"{n}_grid": g for n, g in zip(names, grid)})
+        x, xlabel = ts.numpy(), "t"
+    else:
+        grid_x, curves = np.arange(1, steps + 1), grid
+        arrays = dict(layer=grid_x, **dict(zip(names, grid)))
+        x, xlabel = grid_x, "layer"
+    npz = analysis.save_arrays(out, "spectral.npz", **arrays)
+    paths = analysis.spectral_figures(x, curves, grid_x, grid, xlabel, cfg, steps, out)
+    print("\n".join(analysis.spectral_table(grid, grid_x, curves, xlabel, cfg.is_ode)))
+    print(f"wrote {', '.join(paths)} and {npz}")
+
+
+def cluster(ccfg, out):
+    """--cluster: every schedule from the same particles and matrices; arrays, table, figure."""
+    rng = np.random.default_rng(ccfg.seed)
+    x0 = rng.uniform(-1.0, 1.0, (ccfg.particles, ccfg.dim))
+    Q0, K0, V0 = (ccfg.weight_std * rng.standard_normal((ccfg.dim, ccfg.dim)) for _ in range(3))
+    paths = np.stack([simulate_particles(x0, Q0, K0, V0, p, ccfg.sim_steps, ccfg.sphere)
+                      for p in SCHEDULES.values()])
+    t = np.arange(ccfg.sim_steps + 1) / ccfg.sim_steps
+    # (schedules, steps+1)
+    clusters = np.array([[count_clusters(x, ccfg.cluster_cos) for x in path] for path in paths])
+    npz = analysis.save_arrays(out, "cluster.npz", t=t, trajectories=paths, clusters=clusters,
+                               schedules=list(SCHEDULES), x0=x0, Q0=Q0, K0=K0, V0=V0)
+    table = analysis.cluster_table(ccfg, t, clusters, SCHEDULES)
+    print("\n".join(table))
+    txt = analysis.save_lines(out, "cluster.txt", table)
+    png = plots.clusters(list(SCHEDULES), paths, t, clusters, ccfg,
+                         os.path.join(out, "cluster.png"))
+    print(f"wrote {png}, {txt} and {npz}")
+
+
 def lyapunov(model, tok, ids, steps, top, out):
-    """--lyapunov: exponents of every input token for the last position; shaded text, attention,
-    arrays."""
-    cfg = model.cfg
-    idx = torch.tensor(ids)
+    """--lyapunov: each input token's exponents for the last position; arrays, shaded text, list."""
+    cfg, x0 = model.cfg, embed(model, torch.tensor(ids))
     fields, h, W, rope = step_fields(model, steps, len(ids))
-    exponents, xs = lyapunov_exponents(fields, h, embed(model, idx), len(ids) - 1, progress=True)
+    exponents, xs = lyapunov_exponents(fields, h, x0, len(ids) - 1, progress=True)
     exponents = exponents.sort(dim=-1, descending=True).values.numpy()  # (T, D)
     scores = exponents[:, 0]  # the largest exponent of each input token
     attention = torch.stack([last_position_attention(x, w, cfg, rope)
                              for x, w in zip(xs, W)]).numpy()  # (N, H, T)
     tokens = [tok.decode([i]) for i in ids]
-    os.makedirs(out, exist_ok=True)
-    with written(os.path.join(out, "lyapunov.npz")) as tmp, open(tmp, "wb") as f:
-        np.savez(f, tokens=np.array(ids), text=np.array(tokens), exponents=exponents,
-                 scores=scores, attention=attention, steps=steps)
+    npz = analysis.save_arrays(out, "lyapunov.npz", tokens=np.array(ids), text=np.array(tokens),
+                               exponents=exponents, scores=scores, attention=attention, steps=steps)
     mean_attention = attention.mean(axis=(0, 1))
-    title = (f"{cfg.model_type} ({cfg.flavor}), "
-             f"{steps} {'Euler steps' if cfg.is_ode else 'layers'}; "
-             f"outlined: the last position,\nwhose next token is predicted")
-    rows = [("Lyapunov score (largest exponent) of each token for the last position",
-             scores, "Blues"),
-            ("attention of the last position, mean over heads and steps",
-             mean_attention, "Purples")]
-    png = plots.shaded_text(tokens, rows, title, os.path.join(out, "lyapunov.png"))
-    page = plots.shaded_html(tokens, rows, title, os.path.join(out, "lyapunov.html"))
-    print(f"the {min(top, len(ids))} input tokens "
-          f"that most steer the prediction after {tokens[-1]!r}:")
-    for i in np.argsort(-scores)[:top]:
-        print(f"  position {i:4d}  {tokens[i]!r:>14}  score {scores[i]:8.4f}  "
-              f"attention {mean_attention[i]:.4f}")
-    print(f"wrote {png}, {page} and {os.path.join(out, 'lyapunov.npz')}")
+    png, page = analysis.lyapunov_figures(tokens, scores, mean_attention, cfg, steps, out)
+    print("\n".join(analysis.top_tokens(tokens, scores, mean_attention, top)))
+    print(f"wrote {png}, {page} and {npz}")
 
-
-# -- the script ------------------------------------------------------------------------------------
 
 def main(argv):
     acfg, ccfg, given = parse_config(argv, AnalyzeConfig, ClusterConfig)
-    if not (acfg.spectral or acfg.cluster or acfg.lyapunov):
-        raise UserError("choose what to analyse: --spectral, --cluster, --lyapunov or --all")
+    analysis.check_modes(acfg)
     if acfg.spectral or acfg.lyapunov:  # every check before any work
         model, ckpt = checkpoints.load_model(acfg.init_from)
         model = model.double().requires_grad_(False)  # the analysis is in float64
         mcfg = model.cfg
         with as_user_error(f"{acfg.init_from}: "):  # --steps: an ODE's only
             steps, _ = mcfg.depth(acfg.steps or None, "euler")
-        if acfg.spectral and "times" in given and not mcfg.is_ode:
-            raise UserError(f"{acfg.init_from} holds a {mcfg.model_type} model, "
-                            f"whose weights exist only at its layers: "
-                            f"--times applies only to an ODE checkpoint; leave it out")
+        analysis.check_times(acfg, mcfg, given)
         if acfg.lyapunov:
             tok = prepare.get_tokenizer(ckpt["tokenizer"])
-            ids = prepare.encode_prompt(prepare.read_prompt(acfg.prompt), tok, mcfg.vocab_size,
-                                        "--prompt")
-            if len(ids) > mcfg.block_size and "prompt" in given:
-                raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context "
-                                f"of {mcfg.block_size}: shorten it")
-            ids = ids[-mcfg.block_size:]  # the default prompt: as much of its end as fits
+            ids = analysis.prompt_ids(acfg, tok, mcfg, given)
     make_dir(acfg.out, "out")  # a file in the way, or a read-only folder: one line, before the work
     if acfg.cluster:
         cluster(ccfg, acfg.out)
     if acfg.spectral or acfg.lyapunov:
         print(f"analysing {acfg.init_from}: {mcfg.model_type} ({mcfg.flavor}), "
-              f"{depth_label(mcfg, steps, 'euler')}, "
-              f"width {mcfg.n_embd}, {mcfg.n_head} heads")
+              f"{depth_label(mcfg, steps, 'euler')}, width {mcfg.n_embd}, {mcfg.n_head} heads")
         with torch.no_grad():  # torch.func differentiates inside it all the same
             if acfg.spectral:
                 spectral(model, steps, acfg.times, acfg.out)

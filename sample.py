@@ -25,77 +25,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from support import checkpoints, common
+from support import checkpoints, common, sampling
 import prepare
-from model import SOLVERS, block_shapes, evaluations
-from support.model_extras import Context, check_step_count, depth_label, sliding_window_mask
+from model import block_shapes, evaluations
+from support.model_extras import Context, depth_label, sliding_window_mask
 from support.memory import decoding_gib, device_memory_gib
 
 
-MAX_NEW_TOKENS = 1_000_000  # a sample is held in memory and printed at the end; at the default
-# shape's 200-250 tokens/s past the context on a 2-core CPU (docs/sampling.md), over an hour
-
-
-@dataclass
-class SampleConfig:
-    init_from: str = "out/ckpt.pt"  # a model checkpoint (ckpt.pt, merged.pt) or LoRA adapters
-    start: str = "\n"  # the prompt, or FILE:path to read it from a file
-    num_samples: int = 3
-    max_new_tokens: int = 500
-    temperature: float = 0.8  # 0: greedy decoding (the argmax; so is any below 1.2e-38)
-    top_k: int = 200  # sample among the k most likely tokens; 0: all of them
-    top_p: float = 1.0  # nucleus sampling: the fewest tokens whose probability reaches top_p
-    seed: int = 1337
-    steps: int = 0  # solver steps of an ODE checkpoint; 0: its training count
-    solver: str = ""  # euler, midpoint or rk4 for an ODE checkpoint; "": its training solver
-    compile: bool = False  # compile the one-token decoding step
-    device: str = "auto"
-    dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
-
-    def __post_init__(self):
-        for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least {low}")
-        if self.max_new_tokens > MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at most "
-                             f"{MAX_NEW_TOKENS:,}: sample.py holds every sample in memory and "
-                             f"prints it at the end, and a million tokens take over an hour on a "
-                             f"2-core CPU")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be at least 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.steps:  # 0: the checkpoint's own
-            check_step_count(self.steps)
-        if self.solver and self.solver not in SOLVERS:
-            raise ValueError(f"solver={self.solver!r} is not one of {', '.join(SOLVERS)}")
-
-
-# -- generation ------------------------------------------------------------------------------------
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
-    """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0 (and below float32's
-    smallest normal number, 1.2e-38, its limit); else a sample of softmax(logits / temperature)
-    over the top_k most likely tokens, then over the smallest set of them whose probability reaches
-    top_p (nucleus sampling; the likeliest token is always kept)"""
-    if temperature < torch.finfo(torch.float32).tiny:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float()
-    # shifted so that the largest is 0 (softmax is the same): a tiny temperature sends the others to
-    # -inf, never the largest to +inf (whose softmax is NaN)
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        # v[:, -1:], a slice: indexing with a list makes an index tensor from host data, on CUDA a
-        # blocking host-to-device copy, a host synchronisation per token
-        logits = logits.masked_fill(logits < v[:, -1:], -float("inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -float("inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-
+# -- the KV caches, and what every token multiplies by ---------------------------------------------
 
 class KVCache(nn.Module):
     """The keys and values one evaluation of attention has computed, for max_len positions
@@ -144,13 +81,16 @@ class DecodingState:
         mask, slots = cache_mask(pos, self.caches[0].k.size(2))
         return Context(pos, mask, self.caches, slots, self.head, last=True)
 
-    def named_weights(self):  # "head", "j.attn.0" (evaluation j's attn weight), "j.attn.1" (bias)
-        return [("head", self.head)] + [(f"{j}.{name}.{i}", t) for j, w in enumerate(self.weights)
-                                        for name, pair in w.items()
-                                        for i, t in enumerate(pair) if t is not None]
-
     def tensors(self):
-        return [t for _, t in self.named_weights()] + [t for c in self.caches for t in (c.k, c.v)]
+        """What a decoding step reads: the weights, the head and the caches."""
+        caches = [t for c in self.caches for t in (c.k, c.v)]
+        return weight_tensors(self.weights, self.head) + caches
+
+
+def weight_tensors(weights, head):
+    """The head, then every evaluation's weights and biases, in one order: a state's and the
+    weights it is filled with pair up."""
+    return [head] + [t for w in weights for pair in w.values() for t in pair if t is not None]
 
 
 # the last DecodingState of each model, refilled by the next generation it serves (its key): its
@@ -173,25 +113,22 @@ def setup_caches(model, batch_size, max_len, steps, solver, dtype=None):
     head = model.wte.weight if model.lm_head is None else model.lm_head.weight
     key, state = (steps, solver, batch_size, max_len, dtype, device), STATES.get(model)
     if state is None or state.key != key:  # as gpt-fast's setup_caches: new where the last won't do
-        cast, linear = {}, {*block_shapes(cfg), "head"}  # what F.linear multiplies by: attn, ...
-
-        def like(t, name):  # in the step's dtype, each tensor once (weight sharing: one block)
-            if name in linear and t is not None and t.dtype != dtype and id(t) not in cast:
-                cast[id(t)] = torch.empty_like(t, dtype=dtype)
-            return cast.get(id(t), t)  # a tensor in that dtype stays itself
         caches = [KVCache(batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, device, dtype)
                   for _ in range(evaluations(cfg, steps, solver))]
-        STATES[model] = state = DecodingState(key, caches, [{
-            name: tuple(like(t, name) for t in pair) for name, pair in w.items()} for w in weights],
-            like(head, "head"))
-        for t in state.tensors():  # CUDA graphs read them in place instead of copying them in
-            torch._dynamo.mark_static_address(t, guard=False)
-    new = dict(DecodingState(key, [], weights, head).named_weights())
-    for name, t in state.named_weights():  # copy_ casts; the caches' stale slots stay masked
-        if t is not new[name]:
-            t.copy_(new[name])
+        # what F.linear multiplies by (the linears' weights, the head), in the step's dtype
+        weights_in, head_in = sampling.in_dtype(weights, head, dtype, block_shapes(cfg))
+        STATES[model] = state = DecodingState(key, caches, weights_in, head_in)
+        sampling.mark_static(state.tensors())  # for CUDA graphs, which read them in place
+    # the weights copied into place (copy_ casts; a tensor kept as it is needs none); the caches'
+    # stale slots need no clearing: they stay masked
+    for mine, new in zip(weight_tensors(state.weights, state.head), weight_tensors(weights, head),
+                         strict=True):
+        if mine is not new:
+            mine.copy_(new)
     return state
 
+
+# -- decoding --------------------------------------------------------------------------------------
 
 def prefill(model, x, input_pos, state):
     """The next-token logits (B, vocab) after x (B, T), its tokens at positions input_pos (T,), in
@@ -207,6 +144,30 @@ def decode_one_token(model, x, input_pos, state):
     """prefill of one token, x (B, 1) at input_pos (1,): the step generate repeats and compiles."""
     assert input_pos.shape == (1,), "one token"
     return prefill(model, x, input_pos, state)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
+    """The next token (B, 1) for logits (B, vocab): the argmax at temperature 0 (and below float32's
+    smallest normal number, 1.2e-38, its limit); else a sample of softmax(logits / temperature)
+    over the top_k most likely tokens, then over the smallest set of them whose probability reaches
+    top_p (nucleus sampling; the likeliest token is always kept)"""
+    if temperature < torch.finfo(torch.float32).tiny:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float()
+    # shifted so that the largest is 0 (softmax is the same): a tiny temperature sends the others to
+    # -inf, never the largest to +inf (whose softmax is NaN)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        # v[:, -1:], a slice: indexing with a list makes an index tensor from host data, on CUDA a
+        # blocking host-to-device copy, a host synchronisation per token
+        logits = logits.masked_fill(logits < v[:, -1:], -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it already reach top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -float("inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
 @functools.cache
@@ -274,6 +235,26 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
 
 
 # -- the command line -----------------------------------------------------------------------------
+
+@dataclass
+class SampleConfig:
+    init_from: str = "out/ckpt.pt"  # a model checkpoint (ckpt.pt, merged.pt) or LoRA adapters
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    num_samples: int = 3
+    max_new_tokens: int = 500
+    temperature: float = 0.8  # 0: greedy decoding (the argmax; so is any below 1.2e-38)
+    top_k: int = 200  # sample among the k most likely tokens; 0: all of them
+    top_p: float = 1.0  # nucleus sampling: the fewest tokens whose probability reaches top_p
+    seed: int = 1337
+    steps: int = 0  # solver steps of an ODE checkpoint; 0: its training count
+    solver: str = ""  # euler, midpoint or rk4 for an ODE checkpoint; "": its training solver
+    compile: bool = False  # compile the one-token decoding step
+    device: str = "auto"
+    dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
+
+    def __post_init__(self):
+        sampling.check_options(self)
+
 
 def describe(model, steps, solver):
     """"diffeq (gpt), 6 euler steps" or "baseline (llama), 12 layers": the model as it will run."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from support import checkpoints
+from support import checkpoints, sampling
 import finetune
 import lora
 import sample
@@ -511,7 +511,7 @@ def test_the_seed_and_top_p_reach_the_sampling(tmp_path, capsys):
 
 @pytest.mark.parametrize("key,value,message", [
     ("num_samples", 0, "num_samples=0 must be at least 1"), ("max_new_tokens", 0, "max_new_tokens=0 must be at least 1"),
-    ("top_k", -1, "top_k=-1 must be at least 0"), ("max_new_tokens", sample.MAX_NEW_TOKENS + 1, "must be at most 1,000,000"),
+    ("top_k", -1, "top_k=-1 must be at least 0"), ("max_new_tokens", sampling.MAX_NEW_TOKENS + 1, "must be at most 1,000,000"),
     ("temperature", -0.5, r"^temperature=-0.5 must be at least 0 \(0 is greedy\)$"), ("top_p", 0.0, r"^top_p=0.0 must be in"),
     ("top_p", 1.5, r"^top_p=1.5 must be in \(0, 1\]$"), ("solver", "rk45", "^solver='rk45' is not one of euler, midpoint, rk4$"),
 ])
@@ -522,7 +522,7 @@ def test_the_sampling_config_refuses_what_it_cannot_run(key, value, message):
 
 def test_the_sampling_config_takes_its_bounds():
     sample.SampleConfig(num_samples=1, max_new_tokens=1, top_k=0, temperature=0.0, top_p=1.0)
-    sample.SampleConfig(max_new_tokens=sample.MAX_NEW_TOKENS)
+    sample.SampleConfig(max_new_tokens=sampling.MAX_NEW_TOKENS)
 
 
 def test_top_k_0_samples_among_every_token(tmp_path, capsys):
