@@ -61,12 +61,17 @@ def check_step_count(n, name="steps"):
     return n
 
 
+def check_solver(solver, solvers):
+    """solver, one of `solvers` (model.SOLVERS); else a ValueError."""
+    if solver not in solvers:
+        raise ValueError(f"solver={solver!r} is not one of {', '.join(solvers)}")
+
+
 def check_depth(cfg, steps, solver, solvers):
     """(steps, solver), a forward pass's depth: any step count and solver for an ODE; its n_layer
     layers, by Euler (a materialised ODE's steps), for a model of fixed layers."""
     check_step_count(steps)
-    if solver not in solvers:
-        raise ValueError(f"solver={solver!r} is not one of {', '.join(solvers)}")
+    check_solver(solver, solvers)
     if not cfg.is_ode and (steps, solver) != (cfg.n_layer, "euler"):
         raise ValueError(f"a {cfg.model_type} ({cfg.flavor}) model has {cfg.n_layer} fixed layers "
                          f"and runs them with euler only, not {steps} {solver} steps: an ODE "

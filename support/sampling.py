@@ -5,7 +5,7 @@ the bookkeeping of a decoding state's tensors (copies in the step's dtype, stati
 import torch
 
 from model import SOLVERS
-from support.model_extras import check_step_count
+from support.model_extras import check_solver, check_step_count
 
 MAX_NEW_TOKENS = 1_000_000  # a sample is held in memory and printed at the end; at the default
 # shape's 200-250 tokens/s past the context on a 2-core CPU (docs/sampling.md), over an hour
@@ -27,8 +27,8 @@ def check_options(cfg):
         raise ValueError(f"top_p={cfg.top_p} must be in (0, 1]")
     if cfg.steps:  # 0: the checkpoint's own
         check_step_count(cfg.steps)
-    if cfg.solver and cfg.solver not in SOLVERS:
-        raise ValueError(f"solver={cfg.solver!r} is not one of {', '.join(SOLVERS)}")
+    if cfg.solver:  # "": the checkpoint's own
+        check_solver(cfg.solver, SOLVERS)
 
 
 def in_dtype(weights, head, dtype, linear):
