@@ -12,7 +12,7 @@ nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_
 gradient accumulation, bf16 autocast on CUDA (fp16 with loss scaling where a GPU lacks bf16),
 torch.compile, AdamW with warm-up and cosine decay (METHOD 7), a tqdm bar with loss, gradient norm,
 tokens/s and MFU, a JSONL log, atomic checkpoints, an exact `--init_from=resume`. What only the
-ODE needs: its weights once per optimizer step (train_step, METHOD 8.1), and step counts drawn per
+ODE needs: its weights once per optimizer step (StepWeights, METHOD 8.1), and step counts drawn per
 iteration for any depth (METHOD 8.2). Batches and dropout masks come from RNGs seeded by the
 iteration, the whole data position and RNG state of a run.
 Parallelism, the memory plan and sharded checkpoints are in scale/, one call each.
@@ -26,15 +26,13 @@ from dataclasses import asdict, dataclass
 
 from support.configurator import (ConfigError, Interrupted, UserError, as_user_error, check_out_dir,
                           int_range, parse_config, run_main)  # first: a Ctrl-C while torch imports
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from support import checkpoints, common, memory, parallel, resume, runlog
+from support import checkpoints, common, memory, parallel, resume, runlog, weightgen
 import prepare
 from model import DiffEqFormer, ModelConfig
 from support.model_extras import MAX_STEPS
-from support.weightgen import WeightGenerator
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
 EVAL_ITERATION = 2 ** 31  # every evaluation reads the batches of this (never trained) iteration
@@ -143,38 +141,55 @@ def learning_rate(it, cfg):
     return low + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - low)
 
 
-# -- the any-depth options (METHOD 8.2) ------------------------------------------------------------
+# -- the ODE's weights, once per optimizer step (METHOD 8.1) ---------------------------------------
 
-def iteration_steps(it, cfg, mcfg):
-    """The ODE step count and Euler time offsets of iteration `it`: n_layer and None, or drawn from
-    an RNG seeded by (seed, iteration), the same on every rank and again when a run resumes."""
-    if not cfg.train_steps and not cfg.time_jitter:
-        return mcfg.n_layer, None
-    rng = np.random.default_rng([cfg.seed, it, 11])
-    lo, hi = int_range(cfg.train_steps or str(mcfg.n_layer), "train_steps", MAX_STEPS)
-    steps = int(rng.integers(lo, hi + 1))
-    return steps, (torch.from_numpy(rng.random(steps)) if cfg.time_jitter else None)
+class StepWeights:
+    """A diffeq model's W(t) for one optimizer step or evaluation (METHOD 8.1). W depends on the
+    hypernetwork, not on the batch: ONE call makes it at every distinct stage time t_i, and W(t_i)
+    enters the micro-steps as a detached leaf whose .grad sums dL/dW(t_i) over them, as a GPT's
+    weights sum theirs; backward() pulls the sum back into the hypernetwork in one pass (eq. 25).
+    Under torchrun support/weightgen.py takes over where `shards` and `dist` appear: DDP averages
+    dL/dW over the processes; FSDP2 has each process generate its columns of W, all-gathered."""
+
+    def __init__(self, model, steps=None, solver=None, offsets=None, grad=True, dtype=None):
+        steps, solver = model.cfg.depth(steps, solver)
+        ts, index = weightgen.times(model, steps, solver, offsets)  # evaluation j at ts[index[j]]
+        self.shards = weightgen.shards(model, dtype)  # torchrun, FSDP2: sharded (else None)
+        with torch.set_grad_enabled(grad):  # ONE call: {name: (W (T, out, in), b (T, out) or None)}
+            self.made = model.hyper(ts) if self.shards is None else self.shards.generate(ts)
+        whole = self.made if self.shards is None else self.shards.gather(self.made)  # all-gathered
+        self.leaves = {name: [t if t is None else [w.detach().requires_grad_(grad)
+                                                   for w in t.unbind(0)]  # a leaf per time
+                              for t in pair] for name, pair in whole.items()}
+        if self.shards and grad:  # torchrun, FSDP2: a bf16 leaf's dL/dW summed in fp32
+            self.shards.collect(self.leaves)
+        self.weights = [{name: tuple(ws if ws is None else ws[i] for ws in pair)  # evaluation j:
+                         for name, pair in self.leaves.items()} for i in index]  # its time's W
+
+    def backward(self):
+        """dL/dW, summed over the micro-steps, through the hypernetwork once."""
+        if self.shards:  # torchrun, FSDP2: reduce-scattered to this process's columns of W
+            outputs, grads = self.shards.pull(self.made)
+        else:  # W(t_i) of every weight and time, and the dL/dW(t_i) its leaf summed
+            outputs = [w for pair in self.made.values() for t in pair if t is not None
+                       for w in t.unbind(0)]
+            grads = [w.grad for pair in self.leaves.values() for ws in pair if ws for w in ws]
+            if dist.is_initialized():  # torchrun, DDP: averaged over the processes
+                weightgen.average(grads)
+        self.made = self.leaves = self.weights = None  # the leaves go before the pull-back
+        torch.autograd.backward(outputs, grads)
 
 
 # -- evaluation and the training step -------------------------------------------------------------
-
-def weight_generator(model, cfg, env):
-    """Where a diffeq model's weights come from in training and evaluation: a WeightGenerator
-    (scale/weightgen.py) that makes them once per optimizer step or evaluation (METHOD 8.1), or
-    None, the model making its own in every forward pass (baselines, weight sharing, and
-    --no-generate_once)."""
-    raw = parallel.unwrap(model)
-    return WeightGenerator(raw, env.dtype) if parallel.generates_once(raw, cfg) else None
-
 
 @torch.no_grad()
 def evaluate(model, batches, cfg, env, steps=None, solver=None):
     """Mean loss over eval_iters fixed batches of each split, divided among the processes, an ODE's
     weights generated once. Every process runs as many forward passes (FSDP's collectives must pair
     up); the passes past eval_iters count with weight 0."""
-    model.eval()
-    gen = weight_generator(model, cfg, env)
-    weights = gen.generate(steps, solver, grad=False) if gen else None
+    raw = parallel.unwrap(model.eval())
+    once = parallel.generates_once(raw, cfg)  # else: the model makes W in every forward pass
+    weights = StepWeights(raw, steps, solver, grad=False, dtype=env.dtype).weights if once else None
     out = {}
     for split, data in batches.items():
         total = torch.zeros(2, device=env.device)
@@ -196,26 +211,23 @@ def train_step(model, optimizer, batches, it, cfg, env):
     """One optimizer step over this process's micro-steps; returns its mean loss and the gradient
     norm before clipping (tensors), the ODE step count it trained with, and whether float16's loss
     scaling skipped the step. Dropout masks come from an RNG seeded by (seed, iteration, rank), so
-    that a resumed run repeats them. A diffeq model's weights come once per optimizer step (METHOD
-    8.1): W(t_k) at this iteration's times, made once as leaves that collect dL/dW over the
-    micro-steps, then pulled back into the hypernetwork once."""
+    that a resumed run repeats them."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
-    steps, offsets = iteration_steps(it, cfg, raw.cfg)
+    steps, offsets = weightgen.iteration_steps(it, cfg, raw.cfg)  # any depth: METHOD 8.2
     accum = cfg.gradient_accumulation_steps // env.world_size  # check_launch made sure it divides
-    gen = weight_generator(model, cfg, env)
-    if gen:
-        gen.generate(steps, offsets=offsets)  # W(t_k) for every stage time: one hypernetwork call
+    once = parallel.generates_once(raw, cfg)  # else (--no-generate_once): W in every forward
+    W = StepWeights(raw, steps, offsets=offsets, dtype=env.dtype) if once else None
     total = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = batches.get(it, micro * env.world_size + env.rank)
-        with parallel.sync(model, micro == accum - 1, cfg, env):
+        with parallel.sync(model, micro == accum - 1, cfg, env):  # torchrun: the last micro-step's
             with env.autocast():
-                _, loss = model(x, y, steps=steps, weights=gen.weights() if gen else None)
+                _, loss = model(x, y, steps=steps, weights=W.weights if W else None)
             env.scaler.scale(loss / accum).backward()  # float16: times the loss scale
         total += loss.detach() / accum
-    if gen:
-        gen.backward()  # dL/dW of every micro-step, averaged over the processes, pulled back
+    if W:
+        W.backward()  # dL/dW of every micro-step, pulled back into the hypernetwork once
     env.scaler.unscale_(optimizer)  # float16: divided by the scale again, before clipping
     norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
     if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm); norm: logged, unclipped

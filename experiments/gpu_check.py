@@ -49,7 +49,6 @@ from support.configurator import make_dir, parse_config, run_main, written
 from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
-from support.weightgen import WeightGenerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where pytest runs
 TESTS = "tests/test_cuda.py"
@@ -313,9 +312,9 @@ def decode_rows(mcfg, env, sizes, clock, report):
 # -- 4. where a training step's time goes -------------------------------------------------------------
 
 PHASES = {  # the calls train.train_step makes, by phase; the rest of its time is the forward pass
-    "weight generation": [(WeightGenerator, "generate")],
+    "weight generation": [(train.StepWeights, "__init__")],
     "backward": [(torch.Tensor, "backward")],
-    "backward into the hypernetwork": [(WeightGenerator, "backward")],
+    "backward into the hypernetwork": [(train.StepWeights, "backward")],
     "clipping": [(torch.nn.utils, "get_total_norm"), (torch.nn.utils, "clip_grads_with_norm_")],
     "optimizer": [(torch.amp.GradScaler, "step")],
 }
