@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from support.configurator import ConfigError, UserError, check_out_dir, parse_config, run_main
 import torch
 
-from support import checkpoints, common, resume, runlog
+from support import checkpoints, common, launch, parallel, resume, runlog
 import lora
 import train
 from model import ModelConfig
@@ -131,7 +131,7 @@ def check_options(mcfg, fcfg, cfg, given):
         raise ConfigError(f"--solver={mcfg.solver}: a materialised model is the Euler "
                           f"discretisation of the ODE (METHOD 5); fine-tune at another depth with "
                           f"--steps N")
-    return train.check_launch(cfg, mcfg)
+    return launch.check_launch(cfg, mcfg)
 
 
 def main(argv):
@@ -183,7 +183,9 @@ def main(argv):
                      wandb_id=(run or {}).get("wandb_id"))  # a resumed run's wandb run goes on
         if fcfg.lora:
             extra["kind"] = checkpoints.LORA_RUN
-        wrapped, optimizer, start, best = train.setup_run(model, cfg, env, run)
+        wrapped = parallel.build(model, cfg, env)  # compiled; DDP under torchrun
+        optimizer = train.configure_optimizer(model, cfg, env.device)
+        start, best = resume.start_from(wrapped, optimizer, run, cfg, env)  # resumed, or at 0
         with runlog.Run(wrapped, cfg, env, extra, start, best) as run:
             train.fit(wrapped, optimizer, data, cfg, env, run)
         if env.master:

@@ -8,31 +8,23 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     python train.py --convert=out-llama1b/ckpt_sharded      # -> out-llama1b/ckpt.pt
     python train.py --init_from=gpt2 --out_dir=out-gpt2     # OpenAI's GPT-2, through transformers
 
-nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main):
-gradient accumulation, bf16 autocast on CUDA (fp16 with loss scaling where a GPU lacks bf16),
-torch.compile, AdamW with warm-up and cosine decay (METHOD 7), a tqdm bar with loss, gradient norm,
-tokens/s and MFU, a JSONL log, atomic checkpoints, an exact `--init_from=resume`. What only the
-ODE needs: its weights once per optimizer step (StepWeights, METHOD 8.1), and step counts drawn per
-iteration for any depth (METHOD 8.2). Batches and dropout masks come from RNGs seeded by the
-iteration, the whole data position and RNG state of a run.
-Parallelism, the memory plan and sharded checkpoints are in scale/, one call each.
+nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, the ODE's weights, evaluate,
+train_step, fit, main), with what only the ODE needs: its weights once per optimizer step
+(StepWeights, METHOD 8.1) and a depth drawn per iteration (METHOD 8.2). The plumbing is in support/,
+one call each: launch.py (what is checked and read before the first iteration), runlog.py (the bar,
+log, checkpoints, Ctrl-C, MFU), parallel.py and weightgen.py (DDP, FSDP2), resume.py, memory.py.
 """
-import dataclasses
-import importlib.util
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from support.configurator import (ConfigError, Interrupted, UserError, as_user_error, check_out_dir,
-                          int_range, parse_config, run_main)  # first: a Ctrl-C while torch imports
+from support.configurator import parse_config, run_main  # first: Ctrl-C in torch's import: a line
 import torch
 import torch.distributed as dist
 
-from support import checkpoints, common, memory, parallel, resume, runlog, weightgen
-import prepare
+from support import common, launch, memory, parallel, resume, runlog, weightgen
 from model import DiffEqFormer, ModelConfig
-from support.model_extras import MAX_STEPS
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
 EVAL_ITERATION = 2 ** 31  # every evaluation reads the batches of this (never trained) iteration
@@ -88,28 +80,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU (0: a GPU's; a CPU shows none)
     convert: str = ""  # a sharded checkpoint folder: write the one-file ckpt.pt beside it, and stop
 
-    def __post_init__(self):
-        if self.overwrite and self.init_from == "resume":
-            raise ValueError("--overwrite starts a new run over out_dir's, --init_from=resume "
-                             "continues it: choose one")
-        if self.train_steps:
-            int_range(self.train_steps, "train_steps", MAX_STEPS)
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"parallel={self.parallel!r}: use ddp or fsdp")
-        for name in ("max_iters", "batch_size", "gradient_accumulation_steps", "eval_iters",
-                     "eval_interval", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        ranges = dict(warmup_frac=(0, 1), min_lr_ratio=(0, 1), beta1=(0, 0.9999), beta2=(0, 0.9999))
-        for name, (low, high) in ranges.items():
-            if not low <= getattr(self, name) <= high:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [{low}, {high}]")
-        for name in ("weight_decay", "grad_clip", "stop_at", "gpus", "peak_flops"):  # 0 allowed
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must not be negative")
-        if self.learning_rate <= 0 or self.eps <= 0:
-            raise ValueError(f"learning_rate={self.learning_rate} and eps={self.eps} must be "
-                             f"positive")
+    __post_init__ = launch.check_config  # each value in its range; options that exclude others
 
     @property
     def warmup_iters(self):
@@ -180,7 +151,7 @@ class StepWeights:
         torch.autograd.backward(outputs, grads)
 
 
-# -- evaluation and the training step -------------------------------------------------------------
+# -- evaluation, the training step and the loop ----------------------------------------------------
 
 @torch.no_grad()
 def evaluate(model, batches, cfg, env, steps=None, solver=None):
@@ -239,16 +210,11 @@ def train_step(model, optimizer, batches, it, cfg, env):
     return total, norm, steps, env.scaler.get_scale() < scale
 
 
-# -- the loop --------------------------------------------------------------------------------------
-
 def fit(model, optimizer, data, cfg, env, run):
     """nanoGPT's training loop: every eval_interval iterations, and at the end, evaluate and save a
     checkpoint; in between, one optimizer step at the scheduled learning rate. `run` (runlog.Run)
     keeps the books: the bar, the log, the best validation loss, Ctrl-C, tokens/s and MFU."""
-    mcfg = parallel.unwrap(model).cfg
-    batches = {split: common.Batches(prepare.load_tokens(data, split), mcfg.block_size,
-                                     cfg.batch_size, env.device, cfg.seed, i)
-               for i, split in enumerate(("train", "val"))}
+    batches = common.batches(data, parallel.unwrap(model).cfg.block_size, cfg, env)  # train, val
     model.train()
     for it in run.iterations():
         due = it % cfg.eval_interval == 0 or it == run.end  # nanoGPT's schedule, and the last
@@ -258,8 +224,7 @@ def fit(model, optimizer, data, cfg, env, run):
         if due and it > run.start or stop:  # not the initial weights, nor a resumed run's own
             run.save(model, optimizer, it)
         if stop:
-            raise Interrupted(f"interrupted: iteration {it} saved in {cfg.out_dir}/; continue "
-                              f"with the same command and --init_from=resume")
+            raise run.stopped(it)
         if it == run.end:
             break
         lr = learning_rate(it, cfg)
@@ -270,125 +235,25 @@ def fit(model, optimizer, data, cfg, env, run):
     return run.history
 
 
-# -- the script ------------------------------------------------------------------------------------
-
-def check_launch(cfg, mcfg):
-    """What the config alone decides, checked before any data, model or process group is touched.
-    Returns the config, gradient_accumulation_steps rounded up to a multiple of the processes."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    for package in ("wandb", "tensorboard"):  # the optional mirrors of log.jsonl
-        if getattr(cfg, package) and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--{package} needs the {package} package: pip install {package}")
-    with as_user_error(f"--train_steps={cfg.train_steps}: ", ConfigError):  # an ODE's depths
-        for n in int_range(cfg.train_steps or str(mcfg.n_layer), "train_steps", MAX_STEPS):
-            mcfg.depth(n)
-    if cfg.time_jitter and not (mcfg.model_type == "diffeq" and cfg.generate_once):
-        raise ConfigError("--time_jitter moves the times at which a diffeq model's weights are "
-                          "generated once per optimizer step: it needs model_type=diffeq and "
-                          "--generate_once (the default)")
-    accum = cfg.gradient_accumulation_steps
-    if accum % world:
-        rounded = accum + (-accum) % world
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"gradient_accumulation_steps={accum} rounded up to {rounded}, a multiple of the "
-                  f"{world} processes (micro-steps per iteration over all processes together)")
-        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=rounded)
-    return cfg
-
-
-def setup_run(model, cfg, env, ckpt=None):
-    """(model built for the run, optimizer, start iteration, best validation loss), from a resumed
-    run's state (ckpt from load_run), or the weights it starts from, or scratch."""
-    model = parallel.build(model, cfg, env)
-    optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
-    if cfg.init_from == "resume":
-        resume.restore_run(model, optimizer, ckpt, cfg, env)
-        env.print(f"resumed from iteration {ckpt['iter_num']}")
-        return model, optimizer, ckpt["iter_num"], ckpt["best_val_loss"]
-    if ckpt is not None:
-        resume.load_weights(model, ckpt, cfg, env)
-        env.print(f"starting from the weights of {cfg.init_from}")
-    return model, optimizer, 0, float("inf")
-
-
-def model_config_for(mcfg, cfg, env, given, data, start=None):
-    """(the model config of this run, the checkpoint it starts from or None): the shape of `start`
-    (out_dir's run to resume, or weights whose context a smaller --block_size crops), or the given
-    one with the data's vocabulary padded to a multiple of 64 (50257 -> 50304), whose padded rows
-    never get probability (tokenizer_vocab)."""
-    vocab = prepare.load_meta(data)["vocab_size"]
-    if cfg.init_from == "scratch":
-        size = mcfg.vocab_size if "vocab_size" in given else vocab + (-vocab) % 64
-        if size < vocab:
-            raise UserError(f"vocab_size={size} is smaller than the tokenizer's {vocab}")
-        padded = dict(vocab_size=size, tokenizer_vocab=vocab if size > vocab else 0)
-        return ModelConfig(**{**mcfg.to_dict(), **padded}), None
-    resuming, ckpt = cfg.init_from == "resume", start
-    changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}
-    shorter = mcfg.block_size < ckpt["model_config"]["block_size"]
-    if not resuming and "block_size" in given and shorter:  # nanoGPT's crop_block_size
-        changes["block_size"] = mcfg.block_size
-        if "wpe.weight" in ckpt["model"]:  # learned positions: the first block_size of them
-            weights = {**ckpt["model"], "wpe.weight": ckpt["model"]["wpe.weight"][:mcfg.block_size]}
-            ckpt = {**ckpt, "model": weights}
-    saved = ModelConfig(**{**ckpt["model_config"], **changes})  # a run may change only these
-    if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
-        raise UserError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary "
-                        f"{saved.vocab_size}); the data is {cfg.tokenizer} tokens: use "
-                        f"--tokenizer={ckpt.get('tokenizer')}")
-    ignored = [f"--{k}" for k in sorted(given)
-               if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k)]
-    if ignored:
-        env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join(ignored)}")
-    return saved, ckpt
-
-
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
-    if "tokenizer_vocab" in given:  # model_config_for sets it from the data's tokenizer
-        raise ConfigError("--tokenizer_vocab is the data's, which the run sets: leave it out")
-    if cfg.tokenizer == "byte" and "vocab_size" not in given:  # known before any data is read
-        mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})
-    if cfg.dry_run:  # a tiktoken model plans with GPT-2's vocabulary (the default)
+    mcfg = launch.given_model(mcfg, cfg, given)  # bytes: vocab_size 256 (tiktoken: GPT-2's)
+    if cfg.dry_run:  # the memory plan per GPU, without one
         return memory.dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if cfg.convert:  # a sharded folder -> ckpt.pt beside it
         return resume.convert_sharded(cfg.convert)
-    cfg = check_launch(cfg, mcfg)
+    cfg = launch.check_launch(cfg, mcfg)
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
-    lock = None
-    try:
-        common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")
-        if cfg.init_from == "scratch":  # fail fast: refuse the plan before any download
-            memory.check(mcfg, cfg, env)
-        # the weights to start from: a checkpoint, a folder, GPT-2 (gpt2 ... gpt2-xl) or a Hub id
-        start = None if cfg.init_from in ("scratch", "resume") else checkpoints.load(cfg.init_from)
-        if start and "tokenizer" not in given:  # its tokens, unless the user chose others
-            cfg = dataclasses.replace(cfg, tokenizer=start.get("tokenizer", cfg.tokenizer))
-        # offline and not cached: one line, before the data (a new run may choose bytes instead)
-        prepare.get_tokenizer(cfg.tokenizer, choosable=cfg.init_from == "scratch")
-        lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
-        if cfg.init_from == "resume":  # out_dir's run: another --dataset is refused before the data
-            start = resume.load_run(cfg, env)
-        data = common.prepare_data(cfg, env)
-        mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data, start)
-        check_launch(cfg, mcfg)  # again: the model type may come from a checkpoint
-        memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does
-        # the initial weights are those of `torch.manual_seed(seed); DiffEqFormer(mcfg)`: a function
-        # of the seed alone, whatever drew from the RNG before (the plan's meta builds draw a seed)
-        torch.manual_seed(cfg.seed)
+    with launch.start(mcfg, cfg, given, env) as (mcfg, cfg, ckpt, data):  # out_dir: this run's
+        torch.manual_seed(cfg.seed)  # the initial weights: a function of the seed alone
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
         env.print(runlog.summary(model, cfg, env, data))
-        model, optimizer, start_iter, best = setup_run(model, cfg, env, ckpt)
-        resumed = ckpt if cfg.init_from == "resume" else {}  # its wandb run goes on
-        extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
-                     tokenizer=cfg.tokenizer, wandb_id=resumed.get("wandb_id"))
-        with runlog.Run(model, cfg, env, extra, start_iter, best) as run:
+        model = parallel.build(model, cfg, env)  # compiled; DDP or FSDP2 under torchrun
+        optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
+        start, best = resume.start_from(model, optimizer, ckpt, cfg, env)  # resumed, or weights
+        with runlog.Run(model, cfg, env, launch.record(mcfg, cfg, data, ckpt), start, best) as run:
             fit(model, optimizer, data, cfg, env, run)
-    finally:
-        if lock:
-            lock.release()
-        common.teardown()
 
 
 if __name__ == "__main__":

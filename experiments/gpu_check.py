@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from support import common, memory
+from support import common, memory, parallel
 from support import runlog  # the peak and FLOP count of train.py's MFU
 import train
 from support.configurator import make_dir, parse_config, run_main, written
@@ -205,7 +205,8 @@ def training_step(name, mcfg, cfg, env):
     torch.manual_seed(cfg.seed)
     with torch.device(env.device):
         model = DiffEqFormer(mcfg)
-    model, optimizer, _, _ = train.setup_run(model, cfg, env)
+    model = parallel.build(model, cfg, env)
+    optimizer = train.configure_optimizer(parallel.unwrap(model), cfg, env.device)
     batches, iteration = Batches(mcfg, cfg, env.device), itertools.count()
 
     def step():

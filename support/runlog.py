@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from support import common, parallel, plots, resume
 import prepare
-from support.configurator import RUN_FILES, Diverged
+from support.configurator import RUN_FILES, Diverged, Interrupted
 from model import block_shapes, evaluations
 from support.model_extras import depth_label
 
@@ -79,6 +79,11 @@ class Run:
     def interrupted(self, it):
         """Ctrl-C was pressed (on any rank): save this iteration and stop. Twice: at once."""
         return it < self.end and self.interrupt.asked()
+
+    def stopped(self, it):
+        """What ends a run that Ctrl-C stopped, once it has saved iteration `it`."""
+        return Interrupted(f"interrupted: iteration {it} saved in {self.cfg.out_dir}/; continue "
+                           f"with the same command and --init_from=resume")
 
     def evaluated(self, it, losses):
         """Print, log and keep the best of an evaluation's losses {split: loss}."""
