@@ -9,9 +9,10 @@ fully or with LoRA, on new data.
     python finetune.py --init_from=gpt2 --lora          # OpenAI's GPT-2 with LoRA, on WikiText-2
 
 The default target is WikiText-2, a different corpus from the default pretraining text (tiny
-Shakespeare), as the paper fine-tunes on a different corpus than it pretrained on. The training loop
-is train.py's `fit`; all of train.py's options apply (DDP under torchrun too), and
-`--init_from=resume` continues the fine-tuning run in out_dir.
+Shakespeare), as the paper fine-tunes on a different corpus than it pretrained on. The method is
+`finetune` below; the training loop is train.py's `fit`; all of train.py's options apply (DDP under
+torchrun too), and `--init_from=resume` continues the fine-tuning run in out_dir. The refusals, the
+run's files and --merge are support/finetuning.py's.
 
 LoRA is lora.py's (minLoRA's): a parametrization of each target nn.Linear's weight,
 W + (alpha/r) B A with B zero-initialised, so the model starts exactly at the materialised weights.
