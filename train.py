@@ -8,33 +8,23 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
     python train.py --convert=out-llama1b/ckpt_sharded      # -> out-llama1b/ckpt.pt
     python train.py --init_from=gpt2 --out_dir=out-gpt2     # OpenAI's GPT-2, through transformers
 
-nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, evaluate, train_step, fit, main):
-gradient accumulation, bf16 autocast on CUDA (fp16 with loss scaling where a GPU lacks bf16),
-torch.compile, AdamW with warm-up and cosine decay (METHOD 7), a tqdm bar with loss, gradient norm,
-tokens/s and MFU, a JSONL log, atomic checkpoints, an exact `--init_from=resume`. What only the
-ODE needs: its weights once per optimizer step (train_step, METHOD 8.1), and step counts drawn per
-iteration for any depth (METHOD 8.2). Batches and dropout masks come from RNGs seeded by the
-iteration, the whole data position and RNG state of a run.
-Parallelism, the memory plan and sharded checkpoints are in scale/, one call each.
+nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, the ODE's weights, evaluate,
+train_step, fit, main), with what only the ODE needs: its weights once per optimizer step
+(StepWeights, METHOD 8.1) and a depth drawn per iteration (METHOD 8.2). The plumbing is in support/,
+one call each: launch.py (what is checked and read before the first iteration), runlog.py (the bar,
+log, checkpoints, Ctrl-C, MFU), parallel.py and weightgen.py (DDP, FSDP2), resume.py, memory.py.
 """
-import dataclasses
-import importlib.util
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from support.configurator import (ConfigError, Interrupted, UserError, as_user_error, check_out_dir,
-                          int_range, parse_config, run_main)  # first: a Ctrl-C while torch imports
-import numpy as np
+from support.configurator import parse_config, run_main  # first: Ctrl-C in torch's import: a line
 import torch
 import torch.distributed as dist
 
-from support import checkpoints, common, memory, parallel, resume, runlog
-import prepare
+from support import common, launch, memory, parallel, resume, runlog, weightgen
 from model import DiffEqFormer, ModelConfig
-from support.model_extras import MAX_STEPS
-from support.weightgen import WeightGenerator
 
 DEFAULT_CONFIG = "config/shakespeare.py"  # used when no config file is named
 EVAL_ITERATION = 2 ** 31  # every evaluation reads the batches of this (never trained) iteration
@@ -90,28 +80,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU (0: a GPU's; a CPU shows none)
     convert: str = ""  # a sharded checkpoint folder: write the one-file ckpt.pt beside it, and stop
 
-    def __post_init__(self):
-        if self.overwrite and self.init_from == "resume":
-            raise ValueError("--overwrite starts a new run over out_dir's, --init_from=resume "
-                             "continues it: choose one")
-        if self.train_steps:
-            int_range(self.train_steps, "train_steps", MAX_STEPS)
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"parallel={self.parallel!r}: use ddp or fsdp")
-        for name in ("max_iters", "batch_size", "gradient_accumulation_steps", "eval_iters",
-                     "eval_interval", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        ranges = dict(warmup_frac=(0, 1), min_lr_ratio=(0, 1), beta1=(0, 0.9999), beta2=(0, 0.9999))
-        for name, (low, high) in ranges.items():
-            if not low <= getattr(self, name) <= high:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [{low}, {high}]")
-        for name in ("weight_decay", "grad_clip", "stop_at", "gpus", "peak_flops"):  # 0 allowed
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must not be negative")
-        if self.learning_rate <= 0 or self.eps <= 0:
-            raise ValueError(f"learning_rate={self.learning_rate} and eps={self.eps} must be "
-                             f"positive")
+    __post_init__ = launch.check_config  # each value in its range; options that exclude others
 
     @property
     def warmup_iters(self):
@@ -143,38 +112,55 @@ def learning_rate(it, cfg):
     return low + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - low)
 
 
-# -- the any-depth options (METHOD 8.2) ------------------------------------------------------------
+# -- the ODE's weights, once per optimizer step (METHOD 8.1) ---------------------------------------
 
-def iteration_steps(it, cfg, mcfg):
-    """The ODE step count and Euler time offsets of iteration `it`: n_layer and None, or drawn from
-    an RNG seeded by (seed, iteration), the same on every rank and again when a run resumes."""
-    if not cfg.train_steps and not cfg.time_jitter:
-        return mcfg.n_layer, None
-    rng = np.random.default_rng([cfg.seed, it, 11])
-    lo, hi = int_range(cfg.train_steps or str(mcfg.n_layer), "train_steps", MAX_STEPS)
-    steps = int(rng.integers(lo, hi + 1))
-    return steps, (torch.from_numpy(rng.random(steps)) if cfg.time_jitter else None)
+class StepWeights:
+    """A diffeq model's W(t) for one optimizer step or evaluation (METHOD 8.1). W depends on the
+    hypernetwork, not on the batch: ONE call makes it at every distinct stage time t_i, and W(t_i)
+    enters the micro-steps as a detached leaf whose .grad sums dL/dW(t_i) over them, as a GPT's
+    weights sum theirs; backward() pulls the sum back into the hypernetwork in one pass (eq. 25).
+    Under torchrun support/weightgen.py takes over where `shards` and `dist` appear: DDP averages
+    dL/dW over the processes; FSDP2 has each process generate its columns of W, all-gathered."""
+
+    def __init__(self, model, steps=None, solver=None, offsets=None, grad=True, dtype=None):
+        steps, solver = model.cfg.depth(steps, solver)
+        ts, index = weightgen.times(model, steps, solver, offsets)  # evaluation j at ts[index[j]]
+        self.shards = weightgen.shards(model, dtype)  # torchrun, FSDP2: sharded (else None)
+        with torch.set_grad_enabled(grad):  # ONE call: {name: (W (T, out, in), b (T, out) or None)}
+            self.made = model.hyper(ts) if self.shards is None else self.shards.generate(ts)
+        whole = self.made if self.shards is None else self.shards.gather(self.made)  # all-gathered
+        self.leaves = {name: [t if t is None else [w.detach().requires_grad_(grad)
+                                                   for w in t.unbind(0)]  # a leaf per time
+                              for t in pair] for name, pair in whole.items()}
+        if self.shards and grad:  # torchrun, FSDP2: a bf16 leaf's dL/dW summed in fp32
+            self.shards.collect(self.leaves)
+        self.weights = [{name: tuple(ws if ws is None else ws[i] for ws in pair)  # evaluation j:
+                         for name, pair in self.leaves.items()} for i in index]  # its time's W
+
+    def backward(self):
+        """dL/dW, summed over the micro-steps, through the hypernetwork once."""
+        if self.shards:  # torchrun, FSDP2: reduce-scattered to this process's columns of W
+            outputs, grads = self.shards.pull(self.made)
+        else:  # W(t_i) of every weight and time, and the dL/dW(t_i) its leaf summed
+            outputs = [w for pair in self.made.values() for t in pair if t is not None
+                       for w in t.unbind(0)]
+            grads = [w.grad for pair in self.leaves.values() for ws in pair if ws for w in ws]
+            if dist.is_initialized():  # torchrun, DDP: averaged over the processes
+                weightgen.average(grads)
+        self.made = self.leaves = self.weights = None  # the leaves go before the pull-back
+        torch.autograd.backward(outputs, grads)
 
 
-# -- evaluation and the training step -------------------------------------------------------------
-
-def weight_generator(model, cfg, env):
-    """Where a diffeq model's weights come from in training and evaluation: a WeightGenerator
-    (scale/weightgen.py) that makes them once per optimizer step or evaluation (METHOD 8.1), or
-    None, the model making its own in every forward pass (baselines, weight sharing, and
-    --no-generate_once)."""
-    raw = parallel.unwrap(model)
-    return WeightGenerator(raw, env.dtype) if parallel.generates_once(raw, cfg) else None
-
+# -- evaluation, the training step and the loop ----------------------------------------------------
 
 @torch.no_grad()
 def evaluate(model, batches, cfg, env, steps=None, solver=None):
     """Mean loss over eval_iters fixed batches of each split, divided among the processes, an ODE's
     weights generated once. Every process runs as many forward passes (FSDP's collectives must pair
     up); the passes past eval_iters count with weight 0."""
-    model.eval()
-    gen = weight_generator(model, cfg, env)
-    weights = gen.generate(steps, solver, grad=False) if gen else None
+    raw = parallel.unwrap(model.eval())
+    once = parallel.generates_once(raw, cfg)  # else: the model makes W in every forward pass
+    weights = StepWeights(raw, steps, solver, grad=False, dtype=env.dtype).weights if once else None
     out = {}
     for split, data in batches.items():
         total = torch.zeros(2, device=env.device)
@@ -196,26 +182,23 @@ def train_step(model, optimizer, batches, it, cfg, env):
     """One optimizer step over this process's micro-steps; returns its mean loss and the gradient
     norm before clipping (tensors), the ODE step count it trained with, and whether float16's loss
     scaling skipped the step. Dropout masks come from an RNG seeded by (seed, iteration, rank), so
-    that a resumed run repeats them. A diffeq model's weights come once per optimizer step (METHOD
-    8.1): W(t_k) at this iteration's times, made once as leaves that collect dL/dW over the
-    micro-steps, then pulled back into the hypernetwork once."""
+    that a resumed run repeats them."""
     raw = parallel.unwrap(model)
     torch.manual_seed(hash((cfg.seed, it, env.rank)))
-    steps, offsets = iteration_steps(it, cfg, raw.cfg)
+    steps, offsets = weightgen.iteration_steps(it, cfg, raw.cfg)  # any depth: METHOD 8.2
     accum = cfg.gradient_accumulation_steps // env.world_size  # check_launch made sure it divides
-    gen = weight_generator(model, cfg, env)
-    if gen:
-        gen.generate(steps, offsets=offsets)  # W(t_k) for every stage time: one hypernetwork call
+    once = parallel.generates_once(raw, cfg)  # else (--no-generate_once): W in every forward
+    W = StepWeights(raw, steps, offsets=offsets, dtype=env.dtype) if once else None
     total = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = batches.get(it, micro * env.world_size + env.rank)
-        with parallel.sync(model, micro == accum - 1, cfg, env):
+        with parallel.sync(model, micro == accum - 1, cfg, env):  # torchrun: the last micro-step's
             with env.autocast():
-                _, loss = model(x, y, steps=steps, weights=gen.weights() if gen else None)
+                _, loss = model(x, y, steps=steps, weights=W.weights if W else None)
             env.scaler.scale(loss / accum).backward()  # float16: times the loss scale
         total += loss.detach() / accum
-    if gen:
-        gen.backward()  # dL/dW of every micro-step, averaged over the processes, pulled back
+    if W:
+        W.backward()  # dL/dW of every micro-step, pulled back into the hypernetwork once
     env.scaler.unscale_(optimizer)  # float16: divided by the scale again, before clipping
     norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
     if cfg.grad_clip > 0:  # every gradient times min(1, grad_clip / norm); norm: logged, unclipped
@@ -227,16 +210,11 @@ def train_step(model, optimizer, batches, it, cfg, env):
     return total, norm, steps, env.scaler.get_scale() < scale
 
 
-# -- the loop --------------------------------------------------------------------------------------
-
 def fit(model, optimizer, data, cfg, env, run):
     """nanoGPT's training loop: every eval_interval iterations, and at the end, evaluate and save a
     checkpoint; in between, one optimizer step at the scheduled learning rate. `run` (runlog.Run)
     keeps the books: the bar, the log, the best validation loss, Ctrl-C, tokens/s and MFU."""
-    mcfg = parallel.unwrap(model).cfg
-    batches = {split: common.Batches(prepare.load_tokens(data, split), mcfg.block_size,
-                                     cfg.batch_size, env.device, cfg.seed, i)
-               for i, split in enumerate(("train", "val"))}
+    batches = common.batches(data, parallel.unwrap(model).cfg.block_size, cfg, env)  # train, val
     model.train()
     for it in run.iterations():
         due = it % cfg.eval_interval == 0 or it == run.end  # nanoGPT's schedule, and the last
@@ -246,8 +224,7 @@ def fit(model, optimizer, data, cfg, env, run):
         if due and it > run.start or stop:  # not the initial weights, nor a resumed run's own
             run.save(model, optimizer, it)
         if stop:
-            raise Interrupted(f"interrupted: iteration {it} saved in {cfg.out_dir}/; continue "
-                              f"with the same command and --init_from=resume")
+            raise run.stopped(it)
         if it == run.end:
             break
         lr = learning_rate(it, cfg)
@@ -258,125 +235,25 @@ def fit(model, optimizer, data, cfg, env, run):
     return run.history
 
 
-# -- the script ------------------------------------------------------------------------------------
-
-def check_launch(cfg, mcfg):
-    """What the config alone decides, checked before any data, model or process group is touched.
-    Returns the config, gradient_accumulation_steps rounded up to a multiple of the processes."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    for package in ("wandb", "tensorboard"):  # the optional mirrors of log.jsonl
-        if getattr(cfg, package) and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--{package} needs the {package} package: pip install {package}")
-    with as_user_error(f"--train_steps={cfg.train_steps}: ", ConfigError):  # an ODE's depths
-        for n in int_range(cfg.train_steps or str(mcfg.n_layer), "train_steps", MAX_STEPS):
-            mcfg.depth(n)
-    if cfg.time_jitter and not (mcfg.model_type == "diffeq" and cfg.generate_once):
-        raise ConfigError("--time_jitter moves the times at which a diffeq model's weights are "
-                          "generated once per optimizer step: it needs model_type=diffeq and "
-                          "--generate_once (the default)")
-    accum = cfg.gradient_accumulation_steps
-    if accum % world:
-        rounded = accum + (-accum) % world
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"gradient_accumulation_steps={accum} rounded up to {rounded}, a multiple of the "
-                  f"{world} processes (micro-steps per iteration over all processes together)")
-        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=rounded)
-    return cfg
-
-
-def setup_run(model, cfg, env, ckpt=None):
-    """(model built for the run, optimizer, start iteration, best validation loss), from a resumed
-    run's state (ckpt from load_run), or the weights it starts from, or scratch."""
-    model = parallel.build(model, cfg, env)
-    optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
-    if cfg.init_from == "resume":
-        resume.restore_run(model, optimizer, ckpt, cfg, env)
-        env.print(f"resumed from iteration {ckpt['iter_num']}")
-        return model, optimizer, ckpt["iter_num"], ckpt["best_val_loss"]
-    if ckpt is not None:
-        resume.load_weights(model, ckpt, cfg, env)
-        env.print(f"starting from the weights of {cfg.init_from}")
-    return model, optimizer, 0, float("inf")
-
-
-def model_config_for(mcfg, cfg, env, given, data, start=None):
-    """(the model config of this run, the checkpoint it starts from or None): the shape of `start`
-    (out_dir's run to resume, or weights whose context a smaller --block_size crops), or the given
-    one with the data's vocabulary padded to a multiple of 64 (50257 -> 50304), whose padded rows
-    never get probability (tokenizer_vocab)."""
-    vocab = prepare.load_meta(data)["vocab_size"]
-    if cfg.init_from == "scratch":
-        size = mcfg.vocab_size if "vocab_size" in given else vocab + (-vocab) % 64
-        if size < vocab:
-            raise UserError(f"vocab_size={size} is smaller than the tokenizer's {vocab}")
-        padded = dict(vocab_size=size, tokenizer_vocab=vocab if size > vocab else 0)
-        return ModelConfig(**{**mcfg.to_dict(), **padded}), None
-    resuming, ckpt = cfg.init_from == "resume", start
-    changes = {k: getattr(mcfg, k) for k in ("dropout", "checkpoint", "solver") if k in given}
-    shorter = mcfg.block_size < ckpt["model_config"]["block_size"]
-    if not resuming and "block_size" in given and shorter:  # nanoGPT's crop_block_size
-        changes["block_size"] = mcfg.block_size
-        if "wpe.weight" in ckpt["model"]:  # learned positions: the first block_size of them
-            weights = {**ckpt["model"], "wpe.weight": ckpt["model"]["wpe.weight"][:mcfg.block_size]}
-            ckpt = {**ckpt, "model": weights}
-    saved = ModelConfig(**{**ckpt["model_config"], **changes})  # a run may change only these
-    if ckpt.get("tokenizer", cfg.tokenizer) != cfg.tokenizer or saved.vocab_size < vocab:
-        raise UserError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary "
-                        f"{saved.vocab_size}); the data is {cfg.tokenizer} tokens: use "
-                        f"--tokenizer={ckpt.get('tokenizer')}")
-    ignored = [f"--{k}" for k in sorted(given)
-               if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k)]
-    if ignored:
-        env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join(ignored)}")
-    return saved, ckpt
-
-
 def main(argv):
     mcfg, cfg, given = parse_config(argv, ModelConfig, TrainConfig, default_file=DEFAULT_CONFIG)
-    if "tokenizer_vocab" in given:  # model_config_for sets it from the data's tokenizer
-        raise ConfigError("--tokenizer_vocab is the data's, which the run sets: leave it out")
-    if cfg.tokenizer == "byte" and "vocab_size" not in given:  # known before any data is read
-        mcfg = ModelConfig(**{**mcfg.to_dict(), "vocab_size": 256})
-    if cfg.dry_run:  # a tiktoken model plans with GPT-2's vocabulary (the default)
+    mcfg = launch.given_model(mcfg, cfg, given)  # bytes: vocab_size 256 (tiktoken: GPT-2's)
+    if cfg.dry_run:  # the memory plan per GPU, without one
         return memory.dry_run(mcfg, cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if cfg.convert:  # a sharded folder -> ckpt.pt beside it
         return resume.convert_sharded(cfg.convert)
-    cfg = check_launch(cfg, mcfg)
+    cfg = launch.check_launch(cfg, mcfg)
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
-    lock = None
-    try:
-        common.on_master(env, lambda: check_out_dir(cfg), f"start a run in {cfg.out_dir}")
-        if cfg.init_from == "scratch":  # fail fast: refuse the plan before any download
-            memory.check(mcfg, cfg, env)
-        # the weights to start from: a checkpoint, a folder, GPT-2 (gpt2 ... gpt2-xl) or a Hub id
-        start = None if cfg.init_from in ("scratch", "resume") else checkpoints.load(cfg.init_from)
-        if start and "tokenizer" not in given:  # its tokens, unless the user chose others
-            cfg = dataclasses.replace(cfg, tokenizer=start.get("tokenizer", cfg.tokenizer))
-        # offline and not cached: one line, before the data (a new run may choose bytes instead)
-        prepare.get_tokenizer(cfg.tokenizer, choosable=cfg.init_from == "scratch")
-        lock = common.on_master(env, lambda: common.lock(cfg.out_dir), f"claim {cfg.out_dir}")
-        if cfg.init_from == "resume":  # out_dir's run: another --dataset is refused before the data
-            start = resume.load_run(cfg, env)
-        data = common.prepare_data(cfg, env)
-        mcfg, ckpt = model_config_for(mcfg, cfg, env, given, data, start)
-        check_launch(cfg, mcfg)  # again: the model type may come from a checkpoint
-        memory.check(mcfg, cfg, env)  # refuse a plan that cannot fit before an out-of-memory does
-        # the initial weights are those of `torch.manual_seed(seed); DiffEqFormer(mcfg)`: a function
-        # of the seed alone, whatever drew from the RNG before (the plan's meta builds draw a seed)
-        torch.manual_seed(cfg.seed)
+    with launch.start(mcfg, cfg, given, env) as (mcfg, cfg, ckpt, data):  # out_dir: this run's
+        torch.manual_seed(cfg.seed)  # the initial weights: a function of the seed alone
         with torch.device("meta" if parallel.sharded(cfg, env) else env.device):  # FSDP: later
             model = DiffEqFormer(mcfg)
         env.print(runlog.summary(model, cfg, env, data))
-        model, optimizer, start_iter, best = setup_run(model, cfg, env, ckpt)
-        resumed = ckpt if cfg.init_from == "resume" else {}  # its wandb run goes on
-        extra = dict(model_config=mcfg.to_dict(), train_config=asdict(cfg), data=data,
-                     tokenizer=cfg.tokenizer, wandb_id=resumed.get("wandb_id"))
-        with runlog.Run(model, cfg, env, extra, start_iter, best) as run:
+        model = parallel.build(model, cfg, env)  # compiled; DDP or FSDP2 under torchrun
+        optimizer = configure_optimizer(parallel.unwrap(model), cfg, env.device)
+        start, best = resume.start_from(model, optimizer, ckpt, cfg, env)  # resumed, or weights
+        with runlog.Run(model, cfg, env, launch.record(mcfg, cfg, data, ckpt), start, best) as run:
             fit(model, optimizer, data, cfg, env, run)
-    finally:
-        if lock:
-            lock.release()
-        common.teardown()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ its input, broadcast its size: what each process sends in a ring, up to (w - 1) 
 generating its weights in every forward pass (--no-generate_once) and once per step. memory: train.py
 runs under torchrun on 2 gloo processes; each records the rise of its peak RSS (getrusage ru_maxrss)
 above its RSS before training, with glibc returning every block of 64 KiB or more to the system when
-freed (MALLOC_MMAP_THRESHOLD_=65536), against scale/memory.py's memory_plan for the same run in fp32.
+freed (MALLOC_MMAP_THRESHOLD_=65536), against support/memory.py's memory_plan for the same run in fp32.
 """
 import itertools
 import json

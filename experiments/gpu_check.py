@@ -42,14 +42,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from support import common, memory
+from support import common, memory, parallel
 from support import runlog  # the peak and FLOP count of train.py's MFU
 import train
 from support.configurator import make_dir, parse_config, run_main, written
 from experiments.bench import interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
-from support.weightgen import WeightGenerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where pytest runs
 TESTS = "tests/test_cuda.py"
@@ -206,7 +205,8 @@ def training_step(name, mcfg, cfg, env):
     torch.manual_seed(cfg.seed)
     with torch.device(env.device):
         model = DiffEqFormer(mcfg)
-    model, optimizer, _, _ = train.setup_run(model, cfg, env)
+    model = parallel.build(model, cfg, env)
+    optimizer = train.configure_optimizer(parallel.unwrap(model), cfg, env.device)
     batches, iteration = Batches(mcfg, cfg, env.device), itertools.count()
 
     def step():
@@ -313,9 +313,9 @@ def decode_rows(mcfg, env, sizes, clock, report):
 # -- 4. where a training step's time goes -------------------------------------------------------------
 
 PHASES = {  # the calls train.train_step makes, by phase; the rest of its time is the forward pass
-    "weight generation": [(WeightGenerator, "generate")],
+    "weight generation": [(train.StepWeights, "__init__")],
     "backward": [(torch.Tensor, "backward")],
-    "backward into the hypernetwork": [(WeightGenerator, "backward")],
+    "backward into the hypernetwork": [(train.StepWeights, "backward")],
     "clipping": [(torch.nn.utils, "get_total_norm"), (torch.nn.utils, "clip_grads_with_norm_")],
     "optimizer": [(torch.amp.GradScaler, "step")],
 }

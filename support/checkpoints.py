@@ -11,7 +11,7 @@ weights, loaded with weights_only=True: no code in a file runs. `load` is the on
 opens a checkpoint: a ckpt.pt (torch.save), a folder that export.py wrote (config.json,
 model.safetensors) or that transformers saved from one (save_pretrained), a transformers GPT-2 or
 Llama folder (hf.py maps its weights), or a Hub id downloaded into the Hugging Face cache.
-Sharded FSDP2 folders are scale/resume.py's.
+Sharded FSDP2 folders are support/resume.py's.
 """
 import hashlib
 import json

@@ -163,6 +163,12 @@ def prepare_data(cfg, env):
     return prepare.data_dir_of(cfg.data_root, cfg.dataset, cfg.tokenizer)
 
 
+def batches(data, block_size, cfg, env):
+    """{"train": Batches, "val": Batches} of the prepared token folder `data`."""
+    return {split: Batches(prepare.load_tokens(data, split), block_size, cfg.batch_size,
+                           env.device, cfg.seed, i) for i, split in enumerate(("train", "val"))}
+
+
 class Batches:
     """Random (x, y) windows of block_size tokens from a memmapped token file.
 
@@ -220,6 +226,18 @@ def lock(out_dir, flag="out_dir"):
         if temporary and temporary.group(1) in (*RUN_FILES, ".lock.pid"):
             os.remove(os.path.join(out_dir, name))
     return claim
+
+
+@contextlib.contextmanager
+def claimed(env, out_dir):
+    """out_dir claimed for the with block (lock(), by rank 0, the others waiting), and released
+    however the block ends."""
+    claim = on_master(env, lambda: lock(out_dir), f"claim {out_dir}")
+    try:
+        yield
+    finally:
+        if claim:
+            claim.release()
 
 
 class Claim:

@@ -162,6 +162,20 @@ def restore_run(model, optimizer, ckpt, cfg, env):
         optimizer.load_state_dict(ckpt["optimizer"])
 
 
+def start_from(model, optimizer, ckpt, cfg, env):
+    """(the iteration the run starts at, its best validation loss so far) for the built model and
+    optimizer: a resumed run's state restored (ckpt from load_run), the weights of a checkpoint it
+    starts from loaded, or scratch (ckpt None)."""
+    if cfg.init_from == "resume":
+        restore_run(model, optimizer, ckpt, cfg, env)
+        env.print(f"resumed from iteration {ckpt['iter_num']}")
+        return ckpt["iter_num"], ckpt["best_val_loss"]
+    if ckpt is not None:
+        load_weights(model, ckpt, cfg, env)
+        env.print(f"starting from the weights of {cfg.init_from}")
+    return 0, float("inf")
+
+
 def load_weights(model, ckpt, cfg, env):
     """A checkpoint's weights, without its optimizer state, into the built model (a run that starts
     from them); under FSDP2 each rank keeps its own shards of them."""

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from support import common, parallel, plots, resume
 import prepare
-from support.configurator import RUN_FILES, Diverged
+from support.configurator import RUN_FILES, Diverged, Interrupted
 from model import block_shapes, evaluations
 from support.model_extras import depth_label
 
@@ -80,6 +80,11 @@ class Run:
         """Ctrl-C was pressed (on any rank): save this iteration and stop. Twice: at once."""
         return it < self.end and self.interrupt.asked()
 
+    def stopped(self, it):
+        """What ends a run that Ctrl-C stopped, once it has saved iteration `it`."""
+        return Interrupted(f"interrupted: iteration {it} saved in {self.cfg.out_dir}/; continue "
+                           f"with the same command and --init_from=resume")
+
     def evaluated(self, it, losses):
         """Print, log and keep the best of an evaluation's losses {split: loss}."""
         if not all(map(math.isfinite, losses.values())):  # stop before these weights are saved
@@ -95,7 +100,7 @@ class Run:
         self.best_val_loss = min(self.best_val_loss, losses["val"])
 
     def save(self, model, optimizer, it):
-        """The checkpoint of iteration `it` (scale/resume.py: atomic, one file or sharded), and the
+        """The checkpoint of iteration `it` (support/resume.py: atomic, one file or sharded), and the
         loss curve."""
         state = dict(iter_num=it, best_val_loss=self.best_val_loss, wandb_id=self.log.wandb_id)
         resume.save_run(model, optimizer, state, self.cfg, self.env, self.extra)

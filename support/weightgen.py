@@ -1,165 +1,46 @@
 """
-The ODE's weights once per optimizer step (METHOD 8.1): the one place where train.py's train_step
-and evaluate get a diffeq model's weights, on one process, under DDP and under FSDP2.
+What train.py's ODE training draws per iteration, the step count and Euler's jittered times
+(METHOD 8.2), and what its weights once per optimizer step (StepWeights, METHOD 8.1) hand over here
+when the run is distributed.
 
-    gen.generate(steps)                    # W(t_k) for every stage time t_k, as leaves
-    for x, y in micro_batches:
-        _, loss = model(x, y, weights=gen.weights())
-        (loss / accum).backward()          # dL/dW(t_k) += ...
-    gen.backward()                         # dL/dtheta = (dW/dtheta)^T dL/dW, once
+On one process StepWeights is the whole story: one hypernetwork call at the step's distinct stage
+times, a detached leaf per time whose .grad sums dL/dW over the micro-steps, one backward into the
+hypernetwork. Under DDP the generation is the same, the hypernetwork is left out of DDP's reducer
+(parallel.build), and `average` adds what one process lacks: each leaf's dL/dW averaged over the
+processes, once per step, before the pull-back.
 
-On one process and under DDP this is one HyperNetwork.forward (model.py) for all the times, a
-detached leaf per time whose gradient is added into one flat dL/dW buffer after each micro-step's
-backward (as a GPT's gradients accumulate: nothing is stacked or copied per micro-step), and one
-backward into the hypernetwork; under DDP, the buffer is all-reduced first (as many bytes as a GPT's
-gradients, in one collective). Under FSDP2 the hypernetwork's
-parameters are sharded, and gathering them (6.5B for the ODE Llama-1B) is what sharding avoids: the
-same steps run without gathering A_W.
-
-FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first dimension, which is the flat index
-of W's entries: the process holding rows [a, b) of them generates columns [a, b) of the flat W(t)
-(T, out*in), for every time, from its own shard. Those columns are all-gathered in the compute dtype
-(bf16 on CUDA), dL/dW is reduce-scattered back to them in float32, and the pull-back into A_W and
-B_W is local. Biases (C_W) and norm gains (G, H) go the same way. The small time MLPs (d_t x (2S+1)
-and d_t x d_t per weight) are all-gathered, and their gradients, to which every column contributes,
-reduce-scattered. The collectives are DTensor redistributions. The tests compare both paths with
-the gradients of generating the weights in every forward pass.
+Under FSDP2 the hypernetwork's parameters are sharded, and gathering them (6.5B for the ODE
+Llama-1B) is what sharding avoids. FSDP2 shards A_W (out*in, d_t) and B_W (out*in,) by their first
+dimension, which is the flat index of W's entries: the process holding rows [a, b) of them generates
+columns [a, b) of the flat W(t) (T, out*in), for every time, from its own shard (`Shards.generate`).
+Those columns are all-gathered in the compute dtype, bf16 on CUDA (`gather`); the leaves of bf16
+weights sum their dL/dW in fp32, as FSDP2 sums its own gradients (`collect`); and dL/dW is
+reduce-scattered back to the columns in fp32, the pull-back into A_W and B_W being local (`pull`).
+Biases (C_W) and norm gains (G, H) go the same way. The small time MLPs (d_t x (2S+1) and d_t x d_t
+per weight) are all-gathered, and their gradients, to which every column contributes,
+reduce-scattered. The collectives are DTensor redistributions. tests/test_scale.py compares every
+path with the gradients of generating the weights in every forward pass.
 """
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.func import functional_call
 
 from model import TimeDependentLinear, TimeDependentNorm, stage_times
-from support.model_extras import time_dtype
+from support.configurator import int_range
+from support.model_extras import MAX_STEPS, time_dtype
 
 
-class WeightGenerator:
-    """Drives the hypernetwork of `model` (the raw module: alone, under DDP, or FSDP2-sharded) from
-    outside its forward pass. dtype: the compute dtype, in which a sharded hypernetwork's weights
-    are all-gathered and used; dL/dW is accumulated in the parameters' dtype."""
-
-    def __init__(self, model, dtype=None):
-        self.model, self.hyper = model, model.hyper
-        self.units = {name: m for name, m in self.hyper.named_children()
-                      if isinstance(m, (TimeDependentLinear, TimeDependentNorm))}
-        param = self.hyper.ln_1.G
-        self.sharded = isinstance(param, DTensor)
-        self.mesh = param.device_mesh if self.sharded else None
-        self.world = (self.mesh.size() if self.sharded
-                      else dist.get_world_size() if dist.is_initialized() else 1)
-        self.param_dtype, self.device = param.dtype, param.device
-        self.dtype = dtype or param.dtype
-        self.release()
-
-    def release(self):
-        """Forget the weights of the last generate() (their memory goes)."""
-        self.generated = self.leaves = self.grads = self.flat = self.index = None
-
-    # -- sharded: this process's part of the parameters --------------------------------------------
-    def full(self, p):
-        """All of parameter p (a time MLP's), all-gathered; the gradient coming back is each
-        process's partial sum, reduce-scattered to the shards."""
-        return p.full_tensor(grad_placements=[Partial()])
-
-    def columns(self, unit):
-        """The full widths of what `unit` generates: (out*in, out or None) for a linear, (C, C or
-        None) for a norm."""
-        params = dict(unit.named_parameters(recurse=False))
-        names = ("A_W", "C_W") if isinstance(unit, TimeDependentLinear) else ("G", "H")
-        return tuple(params[n].size(0) if n in params else None for n in names)
-
-    def gather(self, t, columns):
-        """(T, columns) from this process's columns of it, (T, n), in the compute dtype."""
-        return DTensor.from_local(t.to(self.dtype), self.mesh, [Shard(1)], run_check=False,
-                                  shape=(t.size(0), columns), stride=(columns, 1)).full_tensor()
-
-    def whole(self, name, out):
-        """All of what unit `name` generated, (T, ...) each, without its autograd history: this
-        process's own, or (sharded) every process's columns, all-gathered in the compute dtype."""
-        if not self.sharded:
-            return [None if t is None else t.detach() for t in out]
-        return [None if t is None else self.gather(t, n)
-                for t, n in zip(out, self.columns(self.units[name]))]
-
-    # -- once per iteration ------------------------------------------------------------------------
-    def generate(self, steps=None, solver=None, offsets=None, grad=True):
-        """W(t) at every stage time of `steps` steps of `solver` (the model's by default), Euler's
-        times moved back by `offsets` (steps,) (METHOD 8.2). With grad, as one leaf per time that
-        collects dL/dW for backward(); without (evaluation), as plain tensors. Returns them, as
-        weights() does."""
-        steps, solver = self.model.cfg.depth(steps, solver)
-        ts, index = times(self.model, steps, solver, offsets)
-        self.release()
-        self.index = index  # evaluation j of F uses time index[j] (RK4: 2N + 1 times for 4N)
-        with torch.set_grad_enabled(grad):
-            if not self.sharded:  # one process or DDP: one HyperNetwork.forward for all the times
-                self.generated = self.hyper(ts)  # {name: (W (T, out, in), b (T, out) or None)}
-            else:  # each process its columns of every W, (T, n), from its own shards
-                e = self.hyper.time_embedding(ts).to(self.param_dtype)  # (T, 2S+1)
-                self.generated = {}
-                for name, unit in self.units.items():
-                    mlp = {n: self.full(p) for n, p in unit.time_mlp.named_parameters()}
-                    z = functional_call(unit.time_mlp, mlp, (e,))  # (T, d_t)
-                    own = {n: p.to_local() for n, p in unit.named_parameters(recurse=False)}
-                    self.generated[name] = type(unit).generate(z, **own)
-        with torch.no_grad():
-            full = {name: self.whole(name, out) for name, out in self.generated.items()}
-        if not grad:
-            self.leaves = {name: [None if t is None else t.unbind(0) for t in out]
-                           for name, out in full.items()}
-            return self.weights()
-        # a leaf per time, each adding its dL/dW into its row of one flat buffer, in the
-        # parameters' dtype: accumulated over the micro-steps as a GPT's gradients are, reduced in
-        # one collective
-        sizes = [t.numel() for out in full.values() for t in out if t is not None]
-        self.flat = torch.zeros(sum(sizes), device=self.device, dtype=self.param_dtype)
-        self.leaves, self.grads, offset = {}, {}, 0
-        for name, out in full.items():
-            self.leaves[name], self.grads[name] = [], []
-            for t in out:
-                if t is None:
-                    self.leaves[name].append(None)
-                    self.grads[name].append(None)
-                    continue
-                grad_buffer = self.flat[offset:offset + t.numel()].view(t.shape)  # (T, ...)
-                offset += t.numel()
-                steps_of = [w.detach().requires_grad_() for w in t.unbind(0)]  # a leaf per time
-                for w, g in zip(steps_of, grad_buffer.unbind(0)):
-                    w.register_post_accumulate_grad_hook(collect_into(g))
-                self.leaves[name].append(steps_of)
-                self.grads[name].append(grad_buffer)
-        return self.weights()
-
-    def weights(self):
-        """The block weights at every stage time, [{name: (W, b)}, ...] for model(..., weights=):
-        the leaves themselves (a sharded W's columns in the block's layout), one list per
-        micro-step."""
-        at = [{name: tuple(None if t is None else t[k] for t in out)
-               for name, out in self.leaves.items()} for k in self.index]
-        return [self.hyper.assemble(w) for w in at] if self.sharded else at
-
-    def backward(self):
-        """dL/dW, summed over the micro-steps, into the hypernetwork's gradients, averaged over the
-        processes: all-reduced (DDP) or reduce-scattered to each process's columns (FSDP2), then one
-        autograd pass back through the generation."""
-        if self.world > 1 and not self.sharded:  # every process pulls back the same dL/dW
-            dist.all_reduce(self.flat)
-        self.flat.div_(self.world)
-        outputs, grads = [], []
-        for name, out in self.generated.items():
-            for t, g in zip(out, self.grads[name]):
-                if t is None:
-                    continue
-                if self.sharded:  # (T, columns) summed over processes -> this process's columns
-                    partial = DTensor.from_local(g, self.mesh, [Partial()], run_check=False)
-                    g = partial.redistribute(self.mesh, [Shard(1)]).to_local()
-                outputs.append(t)
-                grads.append(g)
-        generated = self.generated
-        self.release()  # the leaves go before the pull-back
-        torch.autograd.backward(outputs, grads)
-        del generated
+def iteration_steps(it, cfg, mcfg):
+    """The ODE step count and Euler time offsets of iteration `it`: n_layer and None, or drawn from
+    an RNG seeded by (seed, iteration), the same on every rank and again when a run resumes."""
+    if not cfg.train_steps and not cfg.time_jitter:
+        return mcfg.n_layer, None
+    rng = np.random.default_rng([cfg.seed, it, 11])
+    lo, hi = int_range(cfg.train_steps or str(mcfg.n_layer), "train_steps", MAX_STEPS)
+    steps = int(rng.integers(lo, hi + 1))
+    return steps, (torch.from_numpy(rng.random(steps)) if cfg.time_jitter else None)
 
 
 def times(model, steps, solver, offsets=None):
@@ -173,10 +54,105 @@ def times(model, steps, solver, offsets=None):
     return (ts if offsets is None else ts - offsets.to(ts) / steps), index
 
 
-def collect_into(buffer):
+def average(grads):
+    """DDP: each process's dL/dW(t_i), one tensor per leaf, replaced in place by its mean over the
+    processes (leaf by leaf: no flat copy of them all)."""
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+
+
+def shards(model, dtype=None):
+    """FSDP2's part of StepWeights for `model` (the raw module), or None where its hypernetwork is
+    not sharded (one process, DDP). dtype: the compute dtype, in which W is all-gathered."""
+    return Shards(model, dtype) if isinstance(model.hyper.ln_1.G, DTensor) else None
+
+
+class Shards:
+    """A sharded hypernetwork's generation, gather and pull-back, for train.StepWeights."""
+
+    def __init__(self, model, dtype=None):
+        self.hyper = model.hyper
+        self.units = {name: m for name, m in self.hyper.named_children()
+                      if isinstance(m, (TimeDependentLinear, TimeDependentNorm))}
+        param = self.hyper.ln_1.G
+        self.mesh, self.param_dtype = param.device_mesh, param.dtype
+        self.dtype = dtype or param.dtype
+        self.sums = None
+
+    def full(self, p):
+        """All of parameter p (a time MLP's), all-gathered; the gradient coming back is each
+        process's partial sum, reduce-scattered to the shards."""
+        return p.full_tensor(grad_placements=[Partial()])
+
+    def columns(self, unit):
+        """The full widths of what `unit` generates: (out*in, out or None) for a linear, (C, C or
+        None) for a norm."""
+        params = dict(unit.named_parameters(recurse=False))
+        names = ("A_W", "C_W") if isinstance(unit, TimeDependentLinear) else ("G", "H")
+        return tuple(params[n].size(0) if n in params else None for n in names)
+
+    def generate(self, ts):
+        """This process's columns of every weight at the times ts, (T, n) each, from its own shards:
+        {unit: (W, b)} as the units make them (W flat, Llama's q, k, v apart)."""
+        e = self.hyper.time_embedding(ts).to(self.param_dtype)  # (T, 2S+1)
+        made = {}
+        for name, unit in self.units.items():
+            mlp = {n: self.full(p) for n, p in unit.time_mlp.named_parameters()}
+            z = functional_call(unit.time_mlp, mlp, (e,))  # (T, d_t)
+            own = {n: p.to_local() for n, p in unit.named_parameters(recurse=False)}
+            made[name] = type(unit).generate(z, **own)
+        return made
+
+    @torch.no_grad()
+    def gather(self, made):
+        """Every process's columns, all-gathered in the compute dtype: the whole weights in the
+        block's layout, {name: (W (T, out, in), b (T, out) or None)}, as HyperNetwork.forward
+        gives them on one process."""
+        whole = {}
+        for name, pair in made.items():
+            whole[name] = tuple(None if t is None else DTensor.from_local(
+                t.to(self.dtype), self.mesh, [Shard(1)], run_check=False, shape=(t.size(0), n),
+                stride=(n, 1)).full_tensor() for t, n in zip(pair, self.columns(self.units[name])))
+        return self.hyper.assemble(whole)
+
+    def collect(self, leaves):
+        """Sum each leaf's dL/dW over the micro-steps in the parameters' dtype (fp32, where a bf16
+        leaf's own .grad would sum in bf16): one (T, ...) tensor per weight, row i the sum of leaf
+        i, whose .grad stays empty."""
+        self.sums = {name: [None if ws is None else self.summed(ws) for ws in pair]
+                     for name, pair in leaves.items()}
+
+    def summed(self, leaves):
+        total = torch.zeros((len(leaves), *leaves[0].shape), dtype=self.param_dtype,
+                            device=leaves[0].device)
+        for w, row in zip(leaves, total.unbind(0)):
+            w.register_post_accumulate_grad_hook(add_into(row))
+        return total
+
+    def pull(self, made):
+        """(the generated columns, dL/dW for them) for the pull-back: the sums, averaged over the
+        processes and reduce-scattered to each process's columns (Llama's fused q, k, v split to
+        their units again)."""
+        sums = self.sums
+        if "q" in made:  # W_attn(t) = [W_q(t); W_k(t); W_v(t)]: rows of the fused weight
+            attn = sums.pop("attn")[0]
+            sums.update({n: (g, None) for n, g in zip("qkv", attn.chunk(3, dim=-2))})
+        outputs, grads = [], []
+        for name, pair in made.items():
+            for t, g in zip(pair, sums[name]):
+                if t is not None:  # (T, columns) summed over processes -> this process's columns
+                    g = DTensor.from_local(g.flatten(1) / self.mesh.size(), self.mesh, [Partial()],
+                                           run_check=False)
+                    outputs.append(t)
+                    grads.append(g.redistribute(self.mesh, [Shard(1)]).to_local())
+        self.sums = None
+        return outputs, grads
+
+
+def add_into(buffer):
     """A post-accumulate-grad hook: add the leaf's gradient into `buffer` and drop it."""
     def hook(leaf):
         buffer.add_(leaf.grad)
         leaf.grad = None
     return hook
-

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support import checkpoints, common, parallel, resume
+from support import checkpoints, common, finetuning, parallel, resume
 import export
 import finetune
 import lora
@@ -88,7 +88,7 @@ def test_adapters_on_some_linears_load_on_those_linears_only(tmp_path, alpha):
         for name, p in layers.named_parameters():
             if name.endswith("lora_B"):
                 p.normal_(0.0, 0.5)  # adapters that change the output
-    checkpoints.save(finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 4),
+    checkpoints.save(finetuning.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 4),
                      str(tmp_path / "adapters.pt"))
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -164,7 +164,7 @@ def test_adapters_that_are_not_finite_are_one_line(tmp_path):
     fcfg = finetune.FinetuneConfig(steps=2, lora_rank=2)
     layers = lora.add_lora(random_ode().materialize(2), rank=2)
     name = next(n for n, _ in layers.named_parameters() if n.endswith("lora_A"))
-    adapters = finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 2)
+    adapters = finetuning.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 2)
     adapters["adapters"][name][0, 0] = float("nan")
     checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
     with pytest.raises(UserError, match=rf"holds weights that are not finite: 1 of the [\d,]+ values of {name} "):
@@ -195,7 +195,7 @@ def test_a_malformed_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, mo
     else:
         layers = lora.add_lora(random_ode().materialize(2), rank=2)
         fcfg = finetune.FinetuneConfig(lora_rank=2)
-        ckpt = finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 2)
+        ckpt = finetuning.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 2)
         ckpt[entry] = value
     torch.save(ckpt, tmp_path / "bad.pt")
     no_work(monkeypatch, sample, "generate")

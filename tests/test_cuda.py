@@ -257,7 +257,7 @@ PLANS = {  # three runs whose peaks are hundreds of MiB to GiB, so that the plan
 
 @pytest.mark.parametrize("name", PLANS)
 def test_the_memory_plan_against_the_allocators_peak(tmp_path, shakespeare, name, record_property):
-    """scale/memory.py's plan for a bf16 run on one GPU, without its allowance for the CUDA context
+    """support/memory.py's plan for a bf16 run on one GPU, without its allowance for the CUDA context
     (which the allocator does not count), within 0.8-1.25 x torch.cuda.max_memory_allocated of train.py
     running it (the rise above what the process held before)."""
     args = [f"--input_file={shakespeare}", "--device=cuda", "--peak_flops=1e15", "--max_iters=2",

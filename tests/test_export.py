@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from support import checkpoints, common
+from support import checkpoints, common, finetuning
 import export
 import finetune
 import lora
@@ -64,9 +64,9 @@ def saved(tmp_path_factory):
                 p.normal_(0, 0.05)
     paths["adapters"] = str(root / "adapters.pt")
     base_sha256 = checkpoints.file_hash(paths["diffeq"])
-    checkpoints.save(finetune.adapters_file(adapted, fcfg, paths["diffeq"], base_sha256, 5),
+    checkpoints.save(finetuning.adapters_file(adapted, fcfg, paths["diffeq"], base_sha256, 5),
                 paths["adapters"])
-    paths["merged"] = finetune.merge_file(paths["adapters"])
+    paths["merged"] = finetuning.merge_file(paths["adapters"])
     return paths
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import analyze
-from support import checkpoints, common
+from support import checkpoints, common, finetuning
 import finetune
 import lora
 import prepare
@@ -271,7 +271,7 @@ def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(t
     real_save, real_lock = torch.save, common.lock
     base = save_model(tmp_path / "base.pt", byte_model())
     layers = lora.add_lora(byte_model().materialize(3), rank=2)
-    adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), base, checkpoints.file_hash(base), 3)
+    adapters = finetuning.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), base, checkpoints.file_hash(base), 3)
     checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
     torch_save_on_a_full_disk(monkeypatch)
     line = one_line(finetune.main, [f"--merge={tmp_path / 'adapters.pt'}"], capsys, monkeypatch)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from support import checkpoints, common
+from support import checkpoints, common, finetuning
 import finetune
 import lora
 import prepare
@@ -144,7 +144,7 @@ def test_steps_9_lora_end_to_end(tmp_path, shakespeare):
     assert adapters["steps"] == 9 and adapters["rank"] == 8 and adapters["targets"] == "all"
     assert adapters["adapters"] and all(k.endswith((".lora_A", ".lora_B")) for k in adapters["adapters"])
 
-    merged_path = finetune.merge_file(str(tmp_path / "ft" / "adapters.pt"))
+    merged_path = finetuning.merge_file(str(tmp_path / "ft" / "adapters.pt"))
     merged = checkpoints.load(merged_path)
     model = DiffEqFormer(ModelConfig(**merged["model_config"]))
     model.load_state_dict(merged["model"])
@@ -270,7 +270,7 @@ def test_merge_and_resume_refuse_a_base_that_changed(tmp_path, shakespeare, monk
         no_work(refused, common, "prepare_data")  # the resumed run's
         with pytest.raises(UserError, match="has changed since this fine-tuning run started"):
             finetune.main(["--init_from=resume", *target])
-    merged = checkpoints.load(finetune.merge_file(adapters, str(original)))
+    merged = checkpoints.load(finetuning.merge_file(adapters, str(original)))
     expected, _ = checkpoints.load_model(adapters, merge_base=str(original))
     assert all(torch.equal(v, merged["model"][k]) for k, v in expected.state_dict().items())
     wrong = lora.at_depth(checkpoints.load_model(str(base))[0], 3, str(base))
@@ -286,7 +286,7 @@ def test_merge_refuses_a_checkpoint_without_adapters_and_the_settings_it_would_i
                                         f"{checkpoints.ADAPTERS} checkpoint$"):
         finetune.main([f"--merge={path}"])
     assert not (tmp_path / "merged.pt").exists()
-    no_work(monkeypatch, finetune, "merge_file")
+    no_work(monkeypatch, finetuning, "merge_file")
     with pytest.raises(ConfigError, match="^--merge folds adapters into their base with the settings recorded in the "
                                           "adapters file, and trains nothing: it would ignore --lora_rank, "
                                           "--max_iters, --steps; leave them out$"):
@@ -301,7 +301,7 @@ def adapters_beside(base, path, steps=3):
             if name.endswith(".lora_B"):
                 p.normal_(0.0, 0.1)
     fcfg = finetune.FinetuneConfig(lora_rank=2)
-    adapters = finetune.adapters_file(layers, fcfg, str(base), checkpoints.file_hash(str(base)), steps)
+    adapters = finetuning.adapters_file(layers, fcfg, str(base), checkpoints.file_hash(str(base)), steps)
     checkpoints.save(adapters, str(path))
     return str(path)
 
@@ -316,7 +316,7 @@ def test_merge_never_writes_over_the_adapters_base_nor_an_earlier_merge_without_
     base = ch / "base.pt"
     checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(base))
     round1 = adapters_beside(base, ch / "adapters.pt")
-    assert finetune.merge_file(round1) == str(ch / "merged.pt")
+    assert finetuning.merge_file(round1) == str(ch / "merged.pt")
     round2 = adapters_beside(ch / "merged.pt", ch / "adapters-round2.pt")
     before = (ch / "merged.pt").read_bytes()
     no_work(monkeypatch, checkpoints, "load_model")

@@ -7,7 +7,7 @@ import torch
 
 from model import DiffEqFormer, ModelConfig, stage_times
 from support.model_extras import Context
-from support.weightgen import WeightGenerator
+from train import StepWeights
 
 from conftest import TINY, from_config_file
 
@@ -336,7 +336,7 @@ def test_zero_offsets_and_the_reference_time_scale_change_nothing():
     torch.manual_seed(0)
     plain, _ = model(idx)
     torch.manual_seed(0)
-    zero, _ = model(idx, weights=WeightGenerator(model).generate(3, "euler", torch.zeros(3), grad=False))
+    zero, _ = model(idx, weights=StepWeights(model, 3, "euler", torch.zeros(3), grad=False).weights)
     assert torch.equal(plain, zero) and torch.equal(plain, same(idx)[0])
     smoother = randomized(tiny(time_scale=10.0))
     assert (smoother(idx)[0] - plain).abs().max() > 1e-3
@@ -346,11 +346,11 @@ def test_offsets_move_each_euler_step_back_inside_its_step():
     """offsets_k in [0, 1): step k uses W((k + 1 - offsets_k) / N)."""
     model = randomized(tiny())
     offsets = torch.tensor([0.5, 0.0, 0.25])
-    w = WeightGenerator(model).generate(3, "euler", offsets, grad=False)
+    w = StepWeights(model, 3, "euler", offsets, grad=False).weights
     for k, t in enumerate((0.5 / 3, 2 / 3, 2.75 / 3)):
         assert torch.allclose(w[k]["fc"][0], model.hyper(torch.tensor([t]))["fc"][0][0], atol=1e-6)
     with pytest.raises(ValueError, match="one offset per step"):
-        WeightGenerator(model).generate(3, "euler", torch.zeros(2), grad=False)
+        StepWeights(model, 3, "euler", torch.zeros(2), grad=False)
 
 
 def smooth_model():

@@ -31,8 +31,8 @@ def books(monkeypatch):
     """train.fit with its maths faked: {"evaluated": [...], "saved": [...], "trained": [...]} iterations,
     and `losses[it]`, the training loss an iteration returns (1.0 unless set); `during[it]` runs in its step."""
     seen = dict(evaluated=[], saved=[], trained=[], losses={}, during={})
-    monkeypatch.setattr(train.prepare, "load_tokens", lambda data, split: None)
-    monkeypatch.setattr(train.common, "Batches", lambda *args: None)
+    monkeypatch.setattr(common.prepare, "load_tokens", lambda data, split: None)
+    monkeypatch.setattr(common, "Batches", lambda *args: None)
 
     def evaluate(model, batches, cfg, env):
         seen["evaluated"].append(seen["it"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from support import checkpoints, sampling
+from support import checkpoints, finetuning, sampling
 import finetune
 import lora
 import sample
@@ -443,7 +443,7 @@ def test_sample_reads_lora_adapters_with_their_base_and_merged_files(tmp_path, c
         for name, p in layers.named_parameters():
             if name.endswith("lora_B"):
                 p.normal_(0.0, 0.5)  # adapters that change the output
-    checkpoints.save(finetune.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 5), str(tmp_path / "adapters.pt"))
+    checkpoints.save(finetuning.adapters_file(layers, fcfg, base, checkpoints.file_hash(base), 5), str(tmp_path / "adapters.pt"))
     merged = lora.merge_lora(layers).eval()
     text = expected(merged, "ab", 6)
     assert text != expected(ode.materialize(5), "ab", 6)
@@ -621,7 +621,7 @@ def test_foreign_files_and_a_missing_base_are_clear_errors(tmp_path, capsys):
                                         + re.escape(f": use {adapters} (or merge it: finetune.py --merge={adapters})")):
         run_sample(capsys, tmp_path / "run.pt")
     layers = lora.add_lora(byte_model().materialize(3), rank=2)
-    adapters = finetune.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), str(tmp_path / "gone.pt"), "0" * 64, 3)
+    adapters = finetuning.adapters_file(layers, finetune.FinetuneConfig(lora_rank=2), str(tmp_path / "gone.pt"), "0" * 64, 3)
     checkpoints.save(adapters, str(tmp_path / "adapters.pt"))
     with pytest.raises(UserError, match=r"the base checkpoint .*gone.pt does not exist"):
         run_sample(capsys, tmp_path / "adapters.pt")

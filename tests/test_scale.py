@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from support import checkpoints, common, memory, parallel
 import train
-from support.weightgen import WeightGenerator, times
+from support.weightgen import iteration_steps, times
 from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 
@@ -121,7 +121,7 @@ def test_weights_once_per_step_at_drawn_times_give_the_plain_gradients():
     perturb(model)
     x = micro_batches(1, TINY["vocab_size"])[0]
     cfg = train.TrainConfig(train_steps="2-6", time_jitter=True)
-    steps, offsets = train.iteration_steps(0, cfg, model.cfg)
+    steps, offsets = iteration_steps(0, cfg, model.cfg)
     ts, index = times(model, steps, "euler", offsets)  # W(t) at the drawn times, differentiable
     w = model.hyper(ts)
     weights = [{n: tuple(None if t is None else t[i] for t in pair) for n, pair in w.items()} for i in index]
@@ -160,8 +160,7 @@ def test_generated_weights_are_float32_leaves_used_in_bf16_autocast():
     batches = micro_batches(2, TINY["vocab_size"])
     _, want = plain_gradients(model, batches)
     model.zero_grad(set_to_none=True)
-    gen = WeightGenerator(model, torch.bfloat16)
-    assert gen.generate()[0]["attn"][0].dtype == torch.float32
+    assert train.StepWeights(model, dtype=torch.bfloat16).weights[0]["attn"][0].dtype == torch.float32
     _, got = step_gradients(model, batches, env=common.Env(torch.device("cpu"), torch.bfloat16))
     assert_close_grads(got, want, 0.1)
 

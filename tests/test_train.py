@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from support import checkpoints, common, memory, parallel, runlog
-from support.weightgen import times
+from support.weightgen import iteration_steps, times
 import train
 from support.configurator import ConfigError, UserError, coerce, parse_config
 from model import DiffEqFormer, ModelConfig
@@ -204,7 +204,7 @@ def test_the_maximum_step_count_is_accepted_wherever_steps_are_given():
                     parse_config(argv, *classes)
         if fine:
             assert model.cfg.depth(n, "rk4") == (n, "rk4")
-            drawn, _ = train.iteration_steps(0, train.TrainConfig(train_steps=str(n)), model.cfg)
+            drawn, _ = iteration_steps(0, train.TrainConfig(train_steps=str(n)), model.cfg)
             assert drawn == n
         else:
             with pytest.raises(ValueError, match=f"in 1..{MAX_STEPS}"):
@@ -758,12 +758,12 @@ def test_a_failing_rank_stops_every_rank(tmp_path):
 def test_any_depth_draws_are_reproducible_and_resume_exactly(tmp_path, shakespeare):
     cfg = train.TrainConfig(train_steps="2-5", time_jitter=True, seed=3)
     mcfg = ModelConfig(n_layer=4, n_embd=8, n_head=1, vocab_size=8, block_size=4, d_t=2, time_freqs=2)
-    draws = [train.iteration_steps(it, cfg, mcfg) for it in range(40)]
-    again = [train.iteration_steps(it, cfg, mcfg) for it in range(40)]
+    draws = [iteration_steps(it, cfg, mcfg) for it in range(40)]
+    again = [iteration_steps(it, cfg, mcfg) for it in range(40)]
     assert {n for n, _ in draws} == {2, 3, 4, 5}  # the whole range, and nothing else
     assert all(n == m and torch.equal(a, b) and len(a) == n for (n, a), (m, b) in zip(draws, again))
     assert all(0 <= a.min() and a.max() < 1 for _, a in draws)
-    assert train.iteration_steps(0, train.TrainConfig(), mcfg) == (4, None)  # the default: n_layer, no offsets
+    assert iteration_steps(0, train.TrainConfig(), mcfg) == (4, None)  # the default: n_layer, no offsets
     shared = [f"--input_file={shakespeare}", "--max_iters=8", "--eval_interval=4", "--dropout=0.1",
               "--train_steps=1-3", "--time_jitter"]
     straight = losses(run(tmp_path, *shared, out="a"))
@@ -822,15 +822,15 @@ def test_the_embedding_experiment_starts_both_runs_from_the_same_draws_but_the_e
 @pytest.mark.parametrize("extra", [[], ["--gradient_accumulation_steps=3"]])
 def test_the_default_run_calls_the_hypernetwork_once_per_iteration(tmp_path, monkeypatch, extra):
     """`python train.py` (config/shakespeare.py, 3 iterations), and with 3 micro-steps: one
-    HyperNetwork.forward per training iteration and one per evaluation, and never the sharded path's
-    generator's path (scale/weightgen.py all-gathers columns there)."""
+    HyperNetwork.forward per training iteration and one per evaluation, and never the sharded path
+    (support/weightgen.py's Shards all-gathers columns there)."""
     from model import HyperNetwork
-    from support.weightgen import WeightGenerator
+    from support.weightgen import Shards
     calls, evaluations = [], []
     forward, evaluate = HyperNetwork.forward, train.evaluate
     monkeypatch.setattr(HyperNetwork, "forward", lambda self, ts: calls.append(1) or forward(self, ts))
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: evaluations.append(1) or evaluate(*a, **k))
-    monkeypatch.setattr(WeightGenerator, "gather", lambda *a, **k: pytest.fail("the sharded path ran"))
+    monkeypatch.setattr(Shards, "gather", lambda *a, **k: pytest.fail("the sharded path ran"))
     train.main(["--max_iters=3", "--eval_iters=2", f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}",
                 *extra])
     assert len(evaluations) == 2 and len(calls) == 3 + 2  # evaluations at iterations 0 and 3
