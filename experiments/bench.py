@@ -104,22 +104,19 @@ def parse_args(argv):
 def interleaved(fns, pairs, warmup, sync):
     """{name: [seconds of each timed repetition]} and {name: seconds of the first call}: every round runs
     every fn once, in alternating order (A B C, C B A, ...), so a neighbour's burst slows them alike."""
-    names, first = list(fns), {}
+    def clocked(name):
+        sync()
+        t0 = time.perf_counter()
+        fns[name]()
+        sync()
+        return time.perf_counter() - t0
+    names, first, times = list(fns), {}, {name: [] for name in fns}
     for r in range(warmup):
         for name in names:
-            sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            sync()
-            first.setdefault(name, time.perf_counter() - t0)
-    times = {name: [] for name in names}
+            first.setdefault(name, clocked(name))
     for r in range(pairs):
         for name in names if r % 2 == 0 else names[::-1]:
-            sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            sync()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clocked(name))
     return times, first
 
 
@@ -277,10 +274,8 @@ def run_rows(mcfg, cfg, env, table):
                  for n in names}
         flops["ODE weights"] = 3 * 2 * evaluations(models["ODE"]) * hyper_params(models["ODE"])
         for compiled in modes:
-            fns = {}
-            for n in names:
-                models[n].train()
-                fns[n] = train_step(models[n], torch.compile(models[n]) if compiled else models[n], x, x, env)
+            fns = {n: train_step(models[n].train(), torch.compile(models[n]) if compiled
+                                 else models[n], x, x, env) for n in names}
             if not compiled:
                 fns["ODE weights"] = weight_generation(models["ODE"], env)
             label = f"train step, {'compiled' if compiled else 'eager'}:"
@@ -293,10 +288,8 @@ def run_rows(mcfg, cfg, env, table):
         names = ("GPT", "ODE", "materialised")
         flops = {n: B * forward_flops(mcfg, T, causal_keys(T), T, evaluations(models[n])) for n in names}
         for compiled in modes:
-            fns = {}
-            for n in names:
-                models[n].eval()
-                fns[n] = inference(torch.compile(models[n]) if compiled else models[n], x, env)
+            fns = {n: inference(torch.compile(models[n].eval()) if compiled else models[n].eval(),
+                                x, env) for n in names}
             label = f"inference, {'compiled' if compiled else 'eager'}:"
             t = timed(label, fns, B * T, flops, compiled)
             table.ratio(f"{label} ODE / GPT", t["ODE"], t["GPT"])
@@ -306,22 +299,20 @@ def run_rows(mcfg, cfg, env, table):
         prompt = torch.randint(0, mcfg.vocab_size, (1, P), device=env.device)
         for m in models.values():
             m.eval()
-        fns = {"GPT, KV cache": decode_cached(models["GPT"], prompt, n, env),
-               "ODE, KV cache": decode_cached(models["ODE"], prompt, n, env),
-               "GPT, recomputed": decode_recomputed(models["GPT"], prompt, n, env),
-               "ODE, recomputed": decode_recomputed(models["ODE"], prompt, n, env)}
+        fns = {f"{m}, {how}": decode(models[m], prompt, n, env) for how, decode in
+               (("KV cache", decode_cached), ("recomputed", decode_recomputed))
+               for m in ("GPT", "ODE")}
         flops = {k: decode_flops(models[k.split(",")[0]], P, n, "cache" in k) for k in fns}
         label = f"decode {n} tokens after {P}:"
         t = timed(label, fns, n, flops)
         table.ratio(f"{label} GPT recomputed / KV cache", t["GPT, recomputed"], t["GPT, KV cache"], (">=", 5.0))
         table.ratio(f"{label} ODE recomputed / KV cache", t["ODE, recomputed"], t["ODE, KV cache"], (">=", 3.0))
         # ODE against GPT: a 5% question, so three times the rounds (cached decoding is the quick part)
-        steps = {"eager": None, "compiled step": "compiled"} if cfg.compile else {"eager": None}
-        for mode, compiled in steps.items():
-            fns = {k: decode_cached(models[k], prompt, n, env, bool(compiled))
-                   for k in ("GPT", "ODE")}
+        for mode, compiled in [("eager", False), ("compiled step", True)][:1 + cfg.compile]:
+            fns = {k: decode_cached(models[k], prompt, n, env, compiled) for k in ("GPT", "ODE")}
             label = f"decode {n} tokens after {P}, KV cache, {mode} ({3 * cfg.pairs} rounds):"
-            t = timed(label, fns, n, {k: flops[f"{k}, KV cache"] for k in fns}, compiled=bool(compiled), rounds=3 * cfg.pairs)
+            t = timed(label, fns, n, {k: flops[f"{k}, KV cache"] for k in fns}, compiled=compiled,
+                      rounds=3 * cfg.pairs)
             table.ratio(f"{label} ODE / GPT", t["ODE"], t["GPT"], ("<=", 1.05) if not compiled else None)
 
 

@@ -257,17 +257,12 @@ def planned_bytes(mcfg, tcfg, world, dtype):
 
 def comm_plan(cfg, argv):
     """The arithmetic of planned_bytes for a training config (bf16 compute, as on GPUs)."""
-    mcfg, tcfg = configs(argv)
     for parallel in ("ddp", "fsdp"):
-        planned = planned_bytes(mcfg, train_config(tcfg, parallel=parallel), cfg.world, torch.bfloat16)
+        mcfg, tcfg = configs(argv, train=dict(parallel=parallel))
+        planned = planned_bytes(mcfg, tcfg, cfg.world, torch.bfloat16)
         gpt = planned["baseline"]
         print(f"{parallel.upper()} over {cfg.world} GPUs, {tcfg.gradient_accumulation_steps // cfg.world} micro-steps each: " +
               ", ".join(f"{name} {n / 1e9:,.1f} GB ({n / gpt:.2f} x)" for name, n in planned.items()))
-
-
-def train_config(tcfg, **changes):
-    import train
-    return train.TrainConfig(**{**tcfg.__dict__, **changes})
 
 
 def comm(cfg, argv):

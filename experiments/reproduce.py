@@ -8,10 +8,9 @@ Reproduce the paper's experiments at laptop scale: every number and figure of re
 Each experiment is a run of this repository's own tools (train.py, finetune.py, experiments/depth.py,
 analyze.py) in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
 A finished job leaves a `done` file with its command in its folder under --runs and is skipped when
-the script is run again with the same command for it. Jobs that depend on a learning-rate sweep (a second seed, the ablations, the pretraining for
-fine-tuning) are built when the sweep has finished. At the end the results are summarised into
-results/results.json, the figures in results/figures/, and the tables of results/README.md (between
-its `<!-- results:NAME -->` markers; the prose around them is written by hand).
+the script is run again with the same command for it; jobs that need a learning-rate sweep's
+results are built when it has finished. At the end: results/results.json, results/figures/, and
+the tables of results/README.md (between its `<!-- results:NAME -->` markers).
 
 The experiments (Tong et al., ICLR 2025; results/README.md says what each one shows):
 1. Table 1: GPT, weight sharing and DiffEqFormer at the same width and depth (6 layers / steps), and
@@ -24,13 +23,10 @@ The experiments (Tong et al., ICLR 2025; results/README.md says what each one sh
 5. The analysis figures (Fig. 2, Fig. 3): spectra of the ODE and the GPT, clustering, Lyapunov.
 6. The budget curve: GPT, weight sharing and DiffEqFormer at their best rates of 1., each trained
    with a schedule as long as its budget (500 to 4000 iterations), two seeds, on tiny Shakespeare
-   and WikiText-2's test split together; each rate halved and doubled at the longest budget, and
-   a rate found better there run on the second seed too (planned once the recheck has finished).
-   Then two more seeds for GPT and DiffEqFormer where their gap is within the seed spread: 1000 to
-   4000 iterations, and at 4000 at a better rate too (16 jobs: 1000 iterations take 5-10 min, 2000
-   17-23, 4000 19-22 on one core with two jobs side by side: 5.3 h of one core).
-   Each of its jobs is recorded in results.json as it finishes, and the page's section 6 rewritten:
-   a run spread over sessions resumes from the committed json, even without the run folders.
+   and WikiText-2's test split together; the rate recheck and two more seeds: budget_plan (the
+   extra seeds' 16 jobs take 5.3 h of one core). Each job is recorded in results.json as it
+   finishes and section 6 rewritten: a run spread over sessions resumes from the committed json,
+   even without the run folders.
 --only=paper runs 1-5, --only=budget runs 6 (at the rates that results/results.json holds).
 """
 import json
@@ -245,11 +241,9 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
         for job in ready:
             argv = job.argv(results) if callable(job.argv) else job.argv
             folder = os.path.join(runs, job.name)
-            if ledger and ledger.has(job.name, argv):  # recorded: no folder needed
-                end(job.name, True)
-                skipped = True
-            elif finished(folder, argv):
-                if ledger and ledger.keeps(job.name):  # finished, but killed before it was recorded
+            recorded = ledger and ledger.has(job.name, argv)  # recorded: no folder needed
+            if recorded or finished(folder, argv):
+                if not recorded and ledger and ledger.keeps(job.name):  # killed before its record
                     seconds = json.load(open(os.path.join(folder, "done")))["seconds"]
                     ledger.record(job, folder, argv, seconds)
                 end(job.name, True)
@@ -257,12 +251,8 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
             elif len(running) < workers:
                 del pending[job.name]
                 os.makedirs(folder, exist_ok=True)
-                for name in ("done", *RUN_FILES):  # an earlier attempt's: the job starts over
-                    path = os.path.join(folder, name)  # (train.py refuses a folder holding a run)
-                    if os.path.isdir(path):
-                        shutil.rmtree(path)
-                    elif os.path.exists(path):
-                        os.remove(path)
+                # an earlier attempt's files go: train.py refuses a folder that holds a run
+                runlog.start_over(folder, ("done", *RUN_FILES))
                 if job.prepare:
                     job.prepare()
                 log = open(os.path.join(folder, "stdout.log"), "w")
@@ -301,10 +291,8 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
 def results_of(runs):
     """{job name: final validation loss} of the finished training and fine-tuning jobs, for the jobs that
     depend on them (the best learning rate of a sweep)."""
-    def losses(done):
-        return {name: final_val_loss(os.path.join(runs, name)) for name in done
-                if os.path.exists(os.path.join(runs, name, "log.jsonl"))}
-    return losses
+    return lambda done: {name: final_val_loss(os.path.join(runs, name)) for name in done
+                         if os.path.exists(os.path.join(runs, name, "log.jsonl"))}
 
 
 def num_params(run_dir):

@@ -142,10 +142,10 @@ class Run:
         return Diverged(f"training diverged: the {what} is {value} at iteration {it}; {last}")
 
 
-def start_over(out_dir):
+def start_over(out_dir, names=RUN_FILES):
     """--overwrite: remove every file the earlier run in out_dir wrote (RUN_FILES), so that none of
     them (its adapters, a merge, its results) passes for the new run's in sample.py or an export."""
-    for name in RUN_FILES:
+    for name in names:
         path = os.path.join(out_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):  # ckpt_sharded/, tensorboard/
             shutil.rmtree(path)
