@@ -392,9 +392,7 @@ def curve(run_dir, smooth=0.9):
 
 
 def figures(r, runs, out):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from support.plots import plt  # the Agg backend
     os.makedirs(out, exist_ok=True)
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -502,10 +500,8 @@ def budget_plan(cfg, rates, better=None):
     jobs = [job(m, b, seed, 1.0, 1 + i)
             for i, b in enumerate(budgets) for seed in SEEDS for m in BUDGET_MODELS]
     longest, last = budgets[-1], 1 + len(budgets)
-    jobs += [job(m, longest, SEEDS[0], x, last)
-             for m in BUDGET_MODELS for x in RECHECK]
-    jobs += [job(m, longest, SEEDS[1], x, last + 1)
-             for m, x in (better or {}).items()]
+    jobs += [job(m, longest, SEEDS[0], x, last) for m in BUDGET_MODELS for x in RECHECK]
+    jobs += [job(m, longest, SEEDS[1], x, last + 1) for m, x in (better or {}).items()]
     more = {b: last + 2 + i for i, b in enumerate(budgets[1:])}  # after the jobs above, unchanged
     jobs += [job(m, b, seed, 1.0, stage)
              for b, stage in more.items() for seed in EXTRA_SEEDS for m in EXTRA_MODELS]
@@ -605,23 +601,19 @@ def paired(b, model, reference, budget):
 def budget_points(b):
     """{model: {budget: {seed: row}}} of the finished runs at the sweep's rate, at the budgets where
     MIN_SEEDS or more of the model's seeds have finished."""
-    points = {}
-    for m in b["models"]:
-        runs = {budget: seed_runs(b, m, budget) for budget in b["budgets"]}
-        points[m] = {budget: rows for budget, rows in runs.items() if len(rows) >= MIN_SEEDS}
-    return points
+    runs = {m: {budget: seed_runs(b, m, budget) for budget in b["budgets"]} for m in b["models"]}
+    return {m: {budget: rows for budget, rows in by_budget.items() if len(rows) >= MIN_SEEDS}
+            for m, by_budget in runs.items()}
 
 
 def budget_recheck(b):
     """{model: {factor: val loss, None while it runs}} of the recheck at the longest budget on the
     first seed (1: the sweep's rate)."""
     longest, first = b["budgets"][-1], b["seeds"][0]
-    recheck = {}
-    for m in b["models"]:
-        names = {x: budget_name(m, longest, first, x, first) for x in [1.0, *b["recheck"]]}
-        recheck[m] = {x: b["runs"][n]["val_loss"] if n in b["runs"] else None
-                      for x, n in sorted(names.items())}
-    return recheck
+    names = {m: {x: budget_name(m, longest, first, x, first) for x in sorted({1.0, *b["recheck"]})}
+             for m in b["models"]}
+    return {m: {x: b["runs"][n]["val_loss"] if n in b["runs"] else None for x, n in by_x.items()}
+            for m, by_x in names.items()}
 
 
 def per_seed(cells, planned):
@@ -734,9 +726,8 @@ def budget_best(b, reference="gpt"):
         head = (f"| {model['label']} | {x * model['learning_rate']:g} ({x:g} x) | {seeds} | "
                 f"{mean:.4f} +- {se:.4f} |")
         reference_losses = found[reference][1] if reference in found else {}
-        vs = (" | |" if m == reference else " " + versus(losses, reference_losses,
-                                                         paired(b, m, reference, longest),
-                                                         label(m), label(reference)))
+        vs = " | |" if m == reference else " " + versus(
+            losses, reference_losses, paired(b, m, reference, longest), label(m), label(reference))
         lines.append(head + vs + " |")
     return "\n".join(lines)
 
@@ -745,9 +736,7 @@ def budget_figure(b, path):
     """Validation loss (mean of the finished seeds, its standard error as the bar) against
     iterations, tokens and training FLOPs; dotted: every evaluation of the longest runs (a long run
     read early); stars: the longest budget at each model's best rate there (mean of the seeds)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from support.plots import plt  # the Agg backend
     points, best = budget_points(b), best_rate_losses(b)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharey=True)
     for m, model in b["models"].items():
@@ -813,8 +802,7 @@ def budget_ledger(cfg, out):
                 seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,  # seeds: every model's
                 models={m: dict(label=MODELS[m][0], learning_rate=rates[m], seeds=seeds[m])
                         for m in BUDGET_MODELS})
-    draw = lambda r: render_budget(r, out)
-    return jobs, Ledger(path, jobs, info, draw)
+    return jobs, Ledger(path, jobs, info, lambda r: render_budget(r, out))
 
 
 def run_budget(cfg, out):
