@@ -7,11 +7,8 @@ a path into a model.
     model, ckpt = load_model(path)      # any checkpoint this project writes, as a model
 
 A checkpoint is a dict with a "kind" (MODEL, ADAPTERS or LORA_RUN), the model config and the
-weights, loaded with weights_only=True: no code in a file runs. `load` is the one function that
-opens a checkpoint: a ckpt.pt (torch.save), a folder that export.py wrote (config.json,
-model.safetensors) or that transformers saved from one (save_pretrained), a transformers GPT-2 or
-Llama folder (hf.py maps its weights), or a Hub id downloaded into the Hugging Face cache.
-Sharded FSDP2 folders are support/resume.py's.
+weights, loaded with weights_only=True: no code in a file runs. `load` opens a ckpt.pt, a model
+folder (load_folder) or a Hub id; sharded FSDP2 folders are support/resume.py's.
 """
 import hashlib
 import json
@@ -179,12 +176,10 @@ def load(path, kind=MODEL, map_location="cpu"):
 
 
 def check_finite(ckpt, path):
-    """The checkpoint dict, if its weights (a model's, or adapters) are finite and add up within
-    float32's range; else one UserError: a model made of them computes NaN or inf (the sampler's
-    "probability tensor contains either inf, nan", LAPACK's errors in the analysis, NaN losses and
-    scores). One sum per tensor, which NaN, inf or values too large (3e38) make NaN or inf: one read
-    of the weights, a fraction of a load (docs/training.md; an isfinite mask costs 10x more).
-    Weights that are no {name: tensor} dict (a list, a number among them): one UserError too."""
+    """The checkpoint dict, if its weights (a model's, or adapters) are a {name: tensor} dict,
+    finite and adding up within float32's range; else one UserError (a model made of them computes
+    NaN or inf). One sum per tensor, which NaN, inf or values too large (3e38) make NaN or inf: a
+    fraction of a load (docs/training.md; an isfinite mask costs 10x more)."""
     for entry in ("model", "adapters"):
         weights = ckpt.get(entry) or {}
         if not (isinstance(weights, dict) and all(
@@ -276,12 +271,10 @@ def model_from(ckpt, path, **overrides):
 
 
 def load_model(path, merge_base=None, kind=(MODEL, ADAPTERS), **overrides):
-    """(model on the CPU in eval mode, checkpoint dict) from any checkpoint this project writes:
-    every model type, a full fine-tune or a merged one, a folder, a Hub id, or a LoRA adapters
-    file, materialised on its base at its depth with the adapters merged in (its base's dict comes
-    back; the base is the one it names, or `merge_base` if it moved, checked by its sha256).
-    kind=MODEL refuses adapters. `overrides`: ModelConfig fields that do not change the weights
-    (dropout, checkpoint, solver)."""
+    """(model on the CPU in eval mode, checkpoint dict) from any checkpoint this project writes, or
+    a LoRA adapters file merged into its base at its depth (the base's dict comes back; the base it
+    names, or `merge_base` if it moved, checked by its sha256); kind=MODEL refuses adapters.
+    `overrides`: ModelConfig fields that do not change the weights (dropout, checkpoint, solver)."""
     ckpt = load(path, kind)
     if ckpt["kind"] == MODEL:
         return model_from(ckpt, path, **overrides), ckpt

@@ -8,9 +8,7 @@ scripts compute their numbers, then hand them to one function here per figure.
 * experiments: validation loss against depth (experiments/depth.py), the downstream-task bar chart
   (experiments/eval.py), the logit lens over t (experiments/logit_lens.py)
 
-The figures of the results page stay in experiments/reproduce.py: each one reads that page's
-summary.
-Figures go to files only (the Agg backend); nothing here needs a display.
+The results page's figures stay in experiments/reproduce.py. Figures go to files only (Agg).
 """
 import html
 import io
@@ -130,8 +128,7 @@ def clusters(names, paths, t, counts, ccfg, path):
 def shade(values, cmap):
     """Colours (RGBA) for values on a colour map, darker = larger, and whether text on them should
     be white. The scale spans the tokens before the last: the last one (the output position, whose
-    exponents also hold the MLP's and its own attention's share) would otherwise leave every other
-    token pale; it is drawn at the scale's ends."""
+    exponents also hold the MLP's share) would leave every other token pale."""
     lo, hi = scale_of(values)
     scaled = np.clip((values - lo) / (hi - lo), 0, 1) if hi > lo else np.zeros_like(values)
     rgba = plt.get_cmap(cmap)(scaled)
@@ -284,10 +281,8 @@ def logit_lens(t, results, prompt, answer, path):
 
 
 def eval_bars(labels, tables, path):
-    """Downstream results of a few checkpoints: each metric in a panel of its own, a group of bars
-    per task, one bar per checkpoint (labels) with its standard error. tables: per checkpoint, rows
-    of (task, metric, n-shot, value, stderr or None), as experiments/eval.py's metric_rows gives
-    them."""
+    """Downstream results of a few checkpoints: a panel per metric, a group of bars per task, a bar
+    per checkpoint (labels) with its standard error; tables: eval.metric_rows per checkpoint."""
     metrics = list(dict.fromkeys(metric for _, metric, *_ in tables[0]))
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1, 3.4), squeeze=False)
     width = 0.8 / len(labels)

@@ -71,10 +71,9 @@ def save_sharded(model, optimizer, meta, folder, iteration, master):
 def load_sharded(model, optimizer, folder):
     """Load the latest sharded checkpoint of `folder` into the FSDP-wrapped model and optimizer."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+        set_optimizer_state_dict)
     path = latest_sharded(folder)
     msd = get_model_state_dict(model)
     dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
@@ -82,8 +81,6 @@ def load_sharded(model, optimizer, folder):
     osd = get_optimizer_state_dict(model, optimizer)
     dcp.load(osd, checkpoint_id=os.path.join(path, "optimizer"))
     set_optimizer_state_dict(model, optimizer, osd)
-
-
 
 
 def convert_sharded(folder, dst=None):

@@ -25,11 +25,9 @@ from support.model_extras import depth_label
 
 class Run:
     """train.fit's books, from iteration `start` (a resumed run's) to max_iters (or stop_at): the
-    iterations as a tqdm bar; each evaluation printed and logged, the best validation loss; the
-    checkpoints fit saves (after each evaluation, and where Ctrl-C stops the run); each
-    iteration's loss, gradient norm, learning rate, tokens/s and MFU; a loss, gradient norm or
-    evaluation that is not finite stops the run before its weights are saved. `extra` goes into
-    every checkpoint. A context manager: the bar, the log and the Ctrl-C handler close however the
+    tqdm bar, the evaluations and the best validation loss, the checkpoints (with `extra`), each
+    iteration's row; a loss, gradient norm or evaluation that is not finite stops the run before its
+    weights are saved. A context manager: the bar, the log and the Ctrl-C handler close however the
     loop ends."""
 
     def __init__(self, model, cfg, env, extra, start=0, best_val_loss=float("inf")):
@@ -133,9 +131,8 @@ class Run:
             self.log(row)
 
     def diverged(self, it, what, value):
-        """The one line that stops a run whose loss or gradient norm is not finite (NaN or inf),
-        before the weights it made are saved over the last good checkpoint; every rank stops (they
-        agree)."""
+        """The one line that stops a run whose loss or gradient norm is not finite, before its
+        weights are saved over the last good checkpoint; every rank stops (they agree)."""
         last = (f"the last checkpoint, of iteration {self.saved} in {self.cfg.out_dir}/, is left "
                 f"as it was: --init_from=resume goes on from it (a lower --learning_rate may avoid "
                 f"this)" if self.saved is not None else "no checkpoint was saved before it")
@@ -155,15 +152,13 @@ def start_over(out_dir, names=RUN_FILES):
 
 class RunLog:
     """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0 and mirrored to
-    wandb and TensorBoard (out_dir/tensorboard) when asked. A fresh run starts a new file; a
-    resumed one keeps the rows up to its checkpoint (the evaluation at start_iter, not the training
-    rows a killed run wrote after it), hides those in TensorBoard too, and goes on with the wandb
-    run of its checkpoint, `wandb_id` (kept in every checkpoint, as log.wandb_id)."""
+    wandb and TensorBoard (out_dir/tensorboard) when asked. A resumed run keeps the rows up to its
+    checkpoint (the evaluation at start_iter, not the training rows a killed run wrote after it),
+    in TensorBoard too, and goes on with its checkpoint's wandb run, `wandb_id`."""
 
     def __init__(self, cfg, start_iter, master, config, wandb_id=None):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), master
-        self.wandb = self.tensorboard = None
-        self.wandb_id = wandb_id
+        self.wandb, self.tensorboard, self.wandb_id = None, None, wandb_id
         if master and os.path.exists(self.path):
             with open(self.path) as f:
                 rows = [line for line in f if line.strip() and start_iter > 0]
@@ -240,10 +235,9 @@ def gpu_peak(name):
 
 
 def peak_flops(env, given=0.0):
-    """The peak FLOP/s of one device for MFU, or None where no peak means much: `given` if set
-    (--peak_flops); a known GPU's bf16 peak when training in bf16; on another GPU (CUDA, MPS) the
-    best rate of an 8192^2 (CUDA) or 4096^2 (MPS) matmul in the run's dtype over half a second.
-    None on a CPU: its cores are shared with whatever else runs, and its float16 is emulated, so a
+    """The peak FLOP/s of one device for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
+    in bf16; on another GPU the best rate of a matmul in the run's dtype over half a second. None
+    on a CPU: its cores are shared with whatever else runs, and its float16 is emulated, so a
     measured peak says little (MFU above 100% was seen)."""
     if given > 0:
         return given
