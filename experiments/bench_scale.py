@@ -8,16 +8,14 @@ plan): the training step against GPT's, bytes moved by collectives, and the plan
     python -m experiments.bench_scale --what=memory                                   # the plan against measured peaks, 2 gloo processes
     python -m experiments.bench_scale --what=comm_plan config/llama1b.py --world=8    # the byte arithmetic for a config
 
-step: train.train_step (forward, backward, clipping, fused AdamW) of a GPT and the DiffEqFormer of the same
-shape, interleaved (A, B, B, A, ...) in one process; the ratio is the median of the per-pair ratios,
-with their interquartile range; AdamW's step alone is timed the same way (its share is a floor: AdamW
-works through (d_t + 1) x the block parameters of GPT). comm: every collective of one training
-iteration counted at the dispatcher (all-reduce 2 x its size, all-gather its output, reduce-scatter
-its input, broadcast its size: what each process sends in a ring, up to (w - 1) / w), for GPT, the ODE
-generating its weights in every forward pass (--no-generate_once) and once per step. memory: train.py
-runs under torchrun on 2 gloo processes; each records the rise of its peak RSS (getrusage ru_maxrss)
-above its RSS before training, with glibc returning every block of 64 KiB or more to the system when
-freed (MALLOC_MMAP_THRESHOLD_=65536), against support/memory.py's memory_plan for the same run in fp32.
+step: train.train_step of a GPT and the DiffEqFormer of the same shape, interleaved (A, B, B, A,
+...) in one process: the median and interquartile range of the per-pair ratios; AdamW's step alone,
+timed the same way, is a floor on its share (it works through (d_t + 1) x GPT's block parameters).
+comm: every collective of one iteration counted at the dispatcher (collective_bytes: what each
+process sends in a ring), for GPT and the ODE generating its weights per forward pass or per step.
+memory: train.py under torchrun on 2 gloo processes, each recording the rise of its peak RSS above
+its RSS before training (glibc returning freed blocks of 64 KiB or more to the system:
+MALLOC_MMAP_THRESHOLD_=65536), against support/memory.py's memory_plan of the same run in fp32.
 """
 import itertools
 import json
@@ -70,7 +68,8 @@ def nbytes(x):
 
 
 def collective_bytes(func, args):
-    """(kind, bytes) of one collective op at the dispatcher, or None for other ops."""
+    """(kind, bytes) of one collective op at the dispatcher, or None for other ops: all-reduce 2 x
+    its size, all-gather its output, reduce-scatter its input, broadcast its size."""
     name = func.name()
     if not name.startswith(("c10d::", "_c10d_functional::")) or "wait" in name or "wrap" in name:
         return None
@@ -176,8 +175,7 @@ def step(cfg, argv):
 
     for name, (fn, *_) in runs.items():  # warm-up: one step each, AdamW state allocated
         fn(0)
-    times = {"GPT": [], "ODE": []}
-    adam = {"GPT": [], "ODE": []}
+    times, adam = {"GPT": [], "ODE": []}, {"GPT": [], "ODE": []}
     for p in range(cfg.pairs):
         order = ("GPT", "ODE") if p % 2 == 0 else ("ODE", "GPT")
         for name in order:

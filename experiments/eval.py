@@ -11,21 +11,18 @@ checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with che
 DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
 text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
 
-* loglikelihood: lm-eval's TemplateLM splits each (context, continuation) into tokens; the last
-  block_size + 1 tokens of both, one forward pass, the continuation's log-probabilities summed, and
-  whether each continuation token is the argmax. Requests go in batches sorted by length, longest first,
-  padded on the right (causal attention: padding never reaches the positions that are read).
-* loglikelihood_rolling (perplexity tasks): lm-eval's windows of block_size tokens, each token predicted
-  once, the last window with a full context.
-* generate_until: greedy decoding with sample.generate (what sample.py runs), the context cut on the left
-  to block_size tokens; max_gen_toks tokens are generated, then cut at the first `until` string.
+* loglikelihood: the last block_size + 1 tokens of context and continuation, one forward pass, the
+  continuation's log-probabilities summed, and whether each of its tokens is the argmax; in batches
+  sorted by length, padded on the right (causal attention: padding never reaches what is read).
+* loglikelihood_rolling (perplexity tasks): lm-eval's windows of block_size tokens, each token once.
+* generate_until: greedy decoding with sample.generate, the context cut on the left to block_size
+  tokens; max_gen_toks tokens are generated, then cut at the first `until` string.
 
-A text with no context starts after the end-of-text token where the tokenizer has one (tiktoken's
-<|endoftext|>, as lm-eval does); the byte tokenizer has none, so there the first byte is the context and
-is not scored. Writes into --out: results.json (lm-eval's results, with the models and this config),
-results.md (a table: value +- standard error, one column per checkpoint) and, with --compare, results.png.
-The paper's tasks download from Hugging Face (a network is needed once); local tasks are YAML files in
---include_path (see experiments/tasks/).
+A text with no context starts after the tokenizer's end-of-text token (tiktoken's, as lm-eval
+does); bytes have none: their first byte is the context and is not scored. Writes into --out:
+results.json (lm-eval's results, with the models and this config), results.md (value +- standard
+error, one column per checkpoint) and, with --compare, results.png. The paper's tasks download from
+Hugging Face (once); local tasks are YAML files in --include_path (see experiments/tasks/).
 """
 import functools
 import json

@@ -10,13 +10,10 @@ model from the 2nd draw after the seed, ccd4bd4 from the 3rd, and now train.py s
 before the build (the 1st). The init procedure is one and the same, so the draws are independent
 samples of it: this measures how much the default run's result depends on the draw alone. Each
 (seed, draw) starts `python train.py --seed=S` (config/shakespeare.py, 1000 iterations) from the
-weights of that draw (`--init_from=` a file written here), with the training code of this commit.
-Jobs run two at a time with one thread each, as in experiments/reproduce.py, and a finished one is
-skipped when the script runs again. A job writes its initial weights (~14 MB) as it starts, and
-the script says what the runs will take before the first one. The record, --out (JSON,
-results/seeds.json), checked before the first job, grows: each finished run is added to what it
-holds (a run of the same seed and draw replaces its entry), and a run that failed or was not asked
-for leaves its entry as it was. The table of the whole record goes to stdout.
+weights of that draw (`--init_from=` a file of ~14 MB written as it starts), with the training code
+of this commit; jobs run as experiments/reproduce.py runs them. The record, --out (JSON,
+results/seeds.json), checked before the first job, grows: each finished run is added to it (a run
+of the same seed and draw replaces its entry). The table of the whole record goes to stdout.
 """
 import functools
 import json
