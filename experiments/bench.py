@@ -84,8 +84,7 @@ def usage():
 
 
 def parse_args(argv):
-    """(ModelConfig, BenchConfig): config files (positional or --config) contribute the keys this
-    script owns, then flags override them."""
+    """(ModelConfig, BenchConfig, ignored keys): config files' keys of this script, then flags."""
     owners = fields_of(ModelConfig, BenchConfig)
     files, pairs = split_args(argv, owners)
     defaults, ignored = dict(DEFAULTS), set()

@@ -225,9 +225,8 @@ def comm_probe(cfg, argv):
 def planned_bytes(mcfg, tcfg, world, dtype):
     """{model: bytes per iteration and process} by the arithmetic of the counts above: FSDP2 all-gathers a
     unit in its forward and again in its backward, the root (embeddings, head) once per micro-step, and
-    reduce-scatters once per iteration (gradient sync off before the last micro-step); weights generated
-    once per step are all-gathered once (compute dtype) and dL/dW reduce-scattered once (fp32); DDP
-    all-reduces every gradient it holds once."""
+    reduce-scatters once per iteration (gradient sync off before the last micro-step); weights made
+    once per step are all-gathered once and dL/dW reduce-scattered once; DDP all-reduces once."""
     import train
     from support import memory, parallel
     from model import DiffEqFormer, ModelConfig, evaluations

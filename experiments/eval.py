@@ -281,8 +281,7 @@ def unknown_task(name, include_path):
 
 
 def evaluate(lm, tasks, manager, cfg):
-    """lm-eval's simple_evaluate of lm on the tasks: its results dict. A task whose data cannot be
-    downloaded (no network) is one UserError."""
+    """lm-eval's simple_evaluate of lm on the tasks (its results); no network: one UserError."""
     try:
         return harness().simple_evaluate(
             model=lm, tasks=tasks, num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,

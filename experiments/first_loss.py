@@ -51,8 +51,7 @@ def first_loss(C, V, dropout=0.0):
 
 @torch.no_grad()
 def measure(mcfg, seed, tokens):
-    """(eval loss, training-mode loss, mean own logit, mean probability of the own token,
-    mean cos(X(1), X(0))) of one draw."""
+    """(eval loss, training-mode loss, mean own logit, its probability, mean cos(X(1), X(0)))."""
     torch.manual_seed(seed)
     model = DiffEqFormer(mcfg).eval()
     x, y = tokens[:, :-1], tokens[:, 1:]

@@ -145,8 +145,7 @@ def read_junit(path):
 
 
 def summarise_tests(cases):
-    """{test function: (outcome counts, seconds, {property: merged values}, the first failure)}: the
-    parametrised cases of a test in one line."""
+    """{test function: (outcome counts, seconds, {property: merged values}, the first failure)}."""
     out = defaultdict(lambda: [defaultdict(int), 0.0, defaultdict(list), None])
     for case in cases:
         entry = out[case["name"].split("[")[0]]
@@ -448,8 +447,7 @@ def table(report):
 
 
 def profile_table(profile):
-    """The profile's phases and kernel kinds, ms per step, GPT beside the ODE and the ODE's extra time as
-    a share of GPT's step."""
+    """The profile's phases and kernel kinds, ms per step: GPT, the ODE, its extra % of GPT's."""
     if len(profile) < 2:
         return []
     gpt, ode = profile["GPT"], profile["ODE"]

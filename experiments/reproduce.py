@@ -190,8 +190,7 @@ def plan(cfg):
 
 
 def finished(folder, argv):
-    """Whether the job in `folder` ran to the end with this very command (a changed best learning rate
-    reruns it)."""
+    """Whether the job in `folder` ran to the end with this very command (a new best rate: no)."""
     path = os.path.join(folder, "done")
     return os.path.exists(path) and json.load(open(path))["argv"] == argv
 
@@ -219,8 +218,7 @@ def run(jobs, workers, results_of, runs, ledger=None):
 
 
 def schedule(jobs, workers, results_of, runs, ledger, running, bar):
-    """run()'s loop; `running` holds the jobs under way, for run() to stop; `bar` counts the
-    jobs that ended."""
+    """run()'s loop; `running`: the jobs under way, for run() to stop; `bar` counts the ended."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
     done, failed = set(), set()
@@ -582,8 +580,7 @@ def seeds_at(b, model, budget):
 
 
 def seed_runs(b, model, budget, factor=1.0):
-    """{seed: row} of the finished runs of `model` at `budget` and the rate times `factor`, in seed
-    order, out of the seeds it has there."""
+    """{seed: row} of the finished runs of `model` at `budget` and the rate times `factor`."""
     names = {s: budget_name(model, budget, s, factor, b["seeds"][0]) for s in seeds_at(b, model, budget)}
     return {s: b["runs"][n] for s, n in names.items() if n in b["runs"]}
 
@@ -607,8 +604,7 @@ def budget_points(b):
 
 
 def budget_recheck(b):
-    """{model: {factor: val loss, None while it runs}} of the recheck at the longest budget on the
-    first seed (1: the sweep's rate)."""
+    """{model: {factor: val loss, None while it runs}} of the recheck (1: the sweep's rate)."""
     longest, first = b["budgets"][-1], b["seeds"][0]
     names = {m: {x: budget_name(m, longest, first, x, first) for x in sorted({1.0, *b["recheck"]})}
              for m in b["models"]}
@@ -617,8 +613,7 @@ def budget_recheck(b):
 
 
 def per_seed(cells, planned):
-    """The finished seeds' values in seed order, "a / b", and "(2 of 4 seeds)" while some of the
-    `planned` seeds have still to run."""
+    """The finished seeds' values, "a / b", and "(2 of 4 seeds)" while `planned` ones still run."""
     pending = f" ({len(cells)} of {planned} seeds)" if len(cells) < planned else ""
     return " / ".join(cells) + pending
 
@@ -675,8 +670,7 @@ def versus(losses, reference, planned, label, label_reference):
 
 
 def budget_versus(b, points, reference="gpt"):
-    """Each other model's validation loss minus GPT's at each budget: where the curves cross, and
-    how surely."""
+    """Each other model's validation loss minus GPT's at each budget: where the curves cross."""
     others = sorted((m for m in b["models"] if m != reference), key=lambda m: m != "diffeq")
     label = lambda m: b["models"][m]["label"]
     lines = ["| iterations | " + " | ".join(f"{label(m)} - {label(reference)}, per seed | "

@@ -97,9 +97,8 @@ def read_config(path):
 
 
 def load_folder(path):
-    """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors) or
-    transformers saved from one, or of a transformers GPT2LMHeadModel or LlamaForCausalLM folder
-    (hf.py maps its weights)."""
+    """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors) or that
+    transformers saved from one, or of a transformers GPT-2 or Llama folder (hf.py maps it)."""
     config = read_config(path)
     if config.get("format") != "diffeqformer":
         model_config, weights, tokenizer, source = hf.from_transformers(path, config)

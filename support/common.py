@@ -226,8 +226,7 @@ def lock(out_dir, flag="out_dir"):
 
 @contextlib.contextmanager
 def claimed(env, out_dir):
-    """out_dir claimed for the with block (lock(), by rank 0, the others waiting), and released
-    however the block ends."""
+    """out_dir claimed for the with block (lock(), by rank 0, the others waiting), then released."""
     claim = on_master(env, lambda: lock(out_dir), f"claim {out_dir}")
     try:
         yield

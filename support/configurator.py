@@ -217,9 +217,8 @@ def fields_of(*classes):
 
 
 def coerce(key, value, annotation, where=None):
-    """value (a string from the command line, or a Python value from a config file) as
-    `annotation`; a bad one is a ConfigError that names the flag, or `where` the config file sets
-    it ("config/x.py, line 3")."""
+    """value (a string from the command line, or a config file's Python value) as `annotation`; a
+    bad one is a ConfigError naming the flag, or `where` a config file sets it ("x.py, line 3")."""
     flag = f"--{key}" if where is None else f"{where}: {key}"
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     optional = is_union and type(None) in typing.get_args(annotation)
@@ -347,8 +346,7 @@ def usage(classes, values=None, note=""):
 
 
 def split_args(argv, owners):
-    """(config files, [(key, raw value)]) from argv: `--k=v`, `--k v`, `--flag`, `--flag false`,
-    `--no-flag`."""
+    """(config files, [(key, raw value)]): --k=v, --k v, --flag, --flag false, --no-flag."""
     files, pairs, i = [], [], 0
     while i < len(argv):
         arg = argv[i]

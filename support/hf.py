@@ -122,9 +122,8 @@ def to_transformers(model, tokenizer):
 
 def from_transformers(path, config):
     """(model config dict, our state dict, tokenizer name, where it came from) of a transformers
-    GPT2LMHeadModel or LlamaForCausalLM folder: loaded by transformers' from_pretrained, then
-    renamed; the vocabulary padded to a multiple of 64 with rows that never get probability
-    (tokenizer_vocab)."""
+    GPT2LMHeadModel or LlamaForCausalLM folder, renamed; the vocabulary padded to a multiple of 64
+    with rows that never get probability (tokenizer_vocab)."""
     kind = config.get("model_type")
     flavor = {"gpt2": "gpt", "llama": "llama"}.get(kind)
     if flavor is None:

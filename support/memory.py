@@ -17,8 +17,7 @@ from support.parallel import fsdp_units
 
 
 def generated_numel(model):
-    """Entries of the weights generated for one stage time (what one evaluation of F multiplies
-    with)."""
+    """Entries of the weights generated for one stage time (one evaluation of F multiplies them)."""
     return sum(math.prod(m.shape) + (m.shape[0] if m.C_W is not None else 0)
                if isinstance(m, TimeDependentLinear)
                else m.G.size(0) + (m.H.size(0) if m.H is not None else 0)
@@ -67,8 +66,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     of two moments: the start of the last micro-step's backward (activations, logits and everything
     held across micro-steps), and, for weights generated once per step, their pull-back into the
     hypernetwork (every gradient and dL/dW at once). fp32 parameters, gradients and AdamW state;
-    compute in `dtype` (bf16 under autocast and FSDP2's MixedPrecisionPolicy on CUDA; fp32 on
-    CPU)."""
+    compute in `dtype` (bf16 under autocast and FSDP2's policy on CUDA; fp32 on CPU)."""
     b = dtype.itemsize  # compute
     P = model.num_params()
     diffeq = mcfg.model_type == "diffeq"

@@ -28,8 +28,7 @@ def unwrap(model):
 
 
 def fsdp_units(model):
-    """The repeated units FSDP2 shards one by one: the hypernetwork's weight functions, or the
-    layers."""
+    """The units FSDP2 shards one by one: the hypernetwork's weight functions, or the layers."""
     diffeq = model.cfg.model_type == "diffeq"
     units = model.hyper.children() if diffeq else getattr(model, "layers", [])
     return [u for u in units if any(True for _ in u.parameters())]
@@ -46,8 +45,7 @@ def mixed_precision(env):
 
 
 def shard(model, mp_policy=None):
-    """FSDP2: each unit (in bf16 under mp_policy), then the root, whose embeddings, final norm and
-    head stay fp32 (torchtitan's order)."""
+    """FSDP2: each unit (in bf16 under mp_policy), then the root (embeddings, norm, head: fp32)."""
     from torch.distributed.fsdp import fully_shard
     for unit in fsdp_units(model):
         fully_shard(unit, **({"mp_policy": mp_policy} if mp_policy else {}))
@@ -56,8 +54,7 @@ def shard(model, mp_policy=None):
 
 
 def shard_rows(p):
-    """(the rows of parameter p held by this process, the first one's index): FSDP2 shards dim 0 as
-    torch.chunk does."""
+    """(the rows of p this process holds, the first's index): FSDP2 splits dim 0 as torch.chunk."""
     if not isinstance(p, DTensor):
         return p, 0
     rows = -(-p.size(0) // p.device_mesh.size())
@@ -66,8 +63,7 @@ def shard_rows(p):
 
 def build(model, cfg, env):
     """Compile, then shard (FSDP2) or replicate (DDP); a model built on the meta device is then
-    allocated and initialised shard by shard. Returns the model to call (DDP's wrapper, or the
-    model)."""
+    allocated and initialised shard by shard. Returns the model to call (DDP's wrapper, or it)."""
     raw = model
     if sharded(cfg, env) and env.dtype == torch.float16:  # ConfigError: rank 0 prints it
         raise ConfigError("FSDP2 runs compute in bfloat16 or float32 here (float16's loss scaling "

@@ -27,8 +27,7 @@ DPI = 100
 
 
 def save_figure(fig, path):
-    """A small PNG: rendered at DPI, then reduced to a 256-colour palette (a third of the bytes for
-    line plots)."""
+    """A small PNG: rendered at DPI, then reduced to 256 colours (a line plot's bytes / 3)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=DPI)
     plt.close(fig)
@@ -62,9 +61,8 @@ def loss_curve(log_path, png_path):
 # -- analysis: spectral dynamics (analyze.py --spectral) -------------------------------------------
 
 def spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
-    """Eigenvalues' real parts and magnitudes against t or layer, one colour per head. Sorted
-    eigenvalues are continuous in t, so each rank is drawn as a line; the forward grid's eigenvalues
-    are marked with dots."""
+    """Eigenvalues' real parts and magnitudes against t or layer, one colour per head: each rank
+    (sorted, continuous in t) as a line, the forward grid's eigenvalues as dots."""
     eig = eig if eig.ndim == 3 else eig[:, None]  # the FFN product: one "head"
     grid_eig = grid_eig if grid_eig.ndim == 3 else grid_eig[:, None]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -145,8 +143,7 @@ def visible(token):
 
 
 def layout(tokens, width):
-    """(line, column) of each token in a monospace grid `width` characters wide; a newline token
-    ends its line."""
+    """(line, column) of each token in a monospace grid `width` characters wide; newlines break."""
     place, line, col = [], 0, 0
     for tok in tokens:
         n = len(visible(tok))
@@ -161,8 +158,7 @@ def layout(tokens, width):
 
 def shaded_text(tokens, rows, title, path, width=80):
     """The prompt once per row of (label, values, colour map), each token on a background shaded by
-    its value, with a colour bar as legend; the last position (the one analysed) is outlined in
-    red."""
+    its value, with a colour bar; the last position (the one analysed) outlined in red."""
     place, lines = layout(tokens, width)
     width = max(col + len(visible(tok)) for tok, (_, col) in zip(tokens, place))
     char_w, line_h, pad = 0.0875, 0.24, 0.4  # inches: DejaVu Sans Mono at 10 pt advances 0.6 em
@@ -261,8 +257,7 @@ def depth(results, trained, png_path):
 
 def logit_lens(t, results, prompt, answer, path):
     """The logit lens over t (experiments/logit_lens.py): per solver, the probability of the answer
-    after the prompt, and the mean probability of the next token over many positions, read from
-    the state X(t_k) at each t_k."""
+    after the prompt and the mean one of the next token, read from the state X(t_k) at each t_k."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
     for j, (solver, r) in enumerate(results.items()):
         axes[0].plot(t, r["answer"], "o-", color=f"C{j}", label=solver)

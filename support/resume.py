@@ -104,8 +104,8 @@ def convert_sharded(folder, dst=None):
 # -- a training run's checkpoint: one file, or the sharded folder under FSDP2 ----------------------
 
 def save_run(model, optimizer, state, cfg, env, extra):
-    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP the folder out_dir/ckpt_sharded
-    that every rank writes its own shards to."""
+    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP every rank's own shards in
+    out_dir/ckpt_sharded."""
     scaler = env.scaler.state_dict()  # float16's loss scale (empty in other dtypes)
     meta = {"kind": checkpoints.MODEL, **extra, **state, "scaler": scaler}
     if parallel.sharded(cfg, env):
@@ -144,8 +144,7 @@ def load_run(cfg, env, fine_tuning=False):
 
 def restore_run(model, optimizer, ckpt, cfg, env):
     """Model and optimizer state into the built model, from `ckpt` or the sharded folder, and
-    float16's loss scale. A file without optimizer state (converted from shards, or merged) resumes
-    with a fresh AdamW state."""
+    float16's loss scale; a file without optimizer state (converted, or merged): a fresh AdamW."""
     if ckpt.get("scaler"):  # a float16 run's (others save an empty one, and load none)
         env.scaler.load_state_dict(ckpt["scaler"])
     if parallel.sharded(cfg, env):

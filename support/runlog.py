@@ -27,8 +27,7 @@ class Run:
     """train.fit's books, from iteration `start` (a resumed run's) to max_iters (or stop_at): the
     tqdm bar, the evaluations and the best validation loss, the checkpoints (with `extra`), each
     iteration's row; a loss, gradient norm or evaluation that is not finite stops the run before its
-    weights are saved. A context manager: the bar, the log and the Ctrl-C handler close however the
-    loop ends."""
+    weights are saved. A context manager: the bar, log and Ctrl-C handler close at its end."""
 
     def __init__(self, model, cfg, env, extra, start=0, best_val_loss=float("inf")):
         raw = parallel.unwrap(model)
@@ -98,8 +97,7 @@ class Run:
         self.best_val_loss = min(self.best_val_loss, losses["val"])
 
     def save(self, model, optimizer, it):
-        """The checkpoint of iteration `it` (support/resume.py: atomic, one file or sharded), and the
-        loss curve."""
+        """The checkpoint of iteration `it` (resume.save_run: one file or shards), and loss.png."""
         state = dict(iter_num=it, best_val_loss=self.best_val_loss, wandb_id=self.log.wandb_id)
         resume.save_run(model, optimizer, state, self.cfg, self.env, self.extra)
         self.saved = it
@@ -198,8 +196,7 @@ class RunLog:
 
 
 def summary(model, cfg, env, data):
-    """train.py's run in a few readable lines, printed as it starts (the full configs go into every
-    checkpoint)."""
+    """train.py's run in a few lines, printed as it starts (the full configs go in checkpoints)."""
     m, meta = model.cfg, prepare.load_meta(data)
     depth = depth_label(m)
     hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
