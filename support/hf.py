@@ -34,9 +34,10 @@ LAYERS = {"gpt": "transformer.h", "llama": "model.layers"}
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
-def layer_names(cfg):
-    """(our name, transformers' name, transposed?) of every tensor of every layer, but the Llama
-    flavour's fused attention (split into q, k, v by the two functions below)."""
+def tensor_names(cfg):
+    """(our name, transformers' name, transposed?) of every tensor but the Llama flavour's fused
+    attention (split into q, k, v by the two functions below)."""
+    yield from ((ours, theirs, False) for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items())
     for k in range(cfg.n_layer):
         for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
             for kind in ("weight", "bias"):
@@ -48,10 +49,8 @@ def layer_names(cfg):
 
 def to_transformers_state(state, cfg):
     """Our baseline's state dict -> transformers' (GPT2LMHeadModel or LlamaForCausalLM)."""
-    out = {theirs: state[ours] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()}
-    for ours, theirs, transposed in layer_names(cfg):
-        if ours in state:
-            out[theirs] = state[ours].t() if transposed else state[ours]
+    out = {theirs: state[ours].t() if transposed else state[ours]
+           for ours, theirs, transposed in tensor_names(cfg) if ours in state}
     if cfg.flavor == "llama":  # our fused attn (3C, C) = [W_q; W_k; W_v]
         for k in range(cfg.n_layer):
             for their_name, w in zip(QKV, state[f"layers.{k}.attn.weight"].chunk(3)):
@@ -61,11 +60,8 @@ def to_transformers_state(state, cfg):
 
 def from_transformers_state(state, cfg):
     """transformers' state dict -> our baseline's: the map of to_transformers_state backwards."""
-    out = {ours: state[theirs] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()
-           if theirs in state}
-    for ours, theirs, transposed in layer_names(cfg):
-        if theirs in state:
-            out[ours] = state[theirs].t() if transposed else state[theirs]
+    out = {ours: state[theirs].t() if transposed else state[theirs]
+           for ours, theirs, transposed in tensor_names(cfg) if theirs in state}
     if cfg.flavor == "llama":
         for k in range(cfg.n_layer):
             qkv = [state[f"{LAYERS['llama']}.{k}.{n}.weight"] for n in QKV]
