@@ -161,10 +161,6 @@ class Table:
         return q
 
 
-def fmt_memory(nbytes):
-    return "" if nbytes is None else "n/a" if nbytes < 0 else f"{nbytes / 2 ** 20:,.0f} MiB"
-
-
 # -- what is timed -----------------------------------------------------------------------------------
 
 def build(name, mcfg, env):
@@ -430,8 +426,10 @@ def report(table, mcfg, cfg, env):
         tok = quartiles([r["tokens"] / t for t in r["times"]]) if r["tokens"] else [float("nan")] * 3
         achieved = np.median([r["flops"] / t for t in r["times"]])
         mfu = np.median([(r["flops"] / t) / (r["mm"][1] / m) for t, m in zip(r["times"], r["mm"][0])])  # paired
+        nbytes = r["memory"]
+        memory = "" if nbytes is None else "n/a" if nbytes < 0 else f"{nbytes / 2 ** 20:,.0f} MiB"
         print(f"{r['label']:58s}{tok[1]:>12,.0f} [{tok[0]:>7,.0f}, {tok[2]:>7,.0f}]{achieved / 1e9:>9.1f}{100 * mfu:>8.0f}%"
-              f"{fmt_memory(r['memory']):>13s}")
+              f"{memory:>13s}")
     print(f"(dense matmul peak, paired with every repetition: {mm / 1e9:,.1f} GFLOP/s median; peak memory: "
           + ("the CUDA allocator's peak" if env.device.type == "cuda" else "RSS high-water mark (VmHWM, reset) above the RSS before the model was built, library pages left out")
           + ", each model alone in a fresh process, eager)")

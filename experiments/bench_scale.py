@@ -303,15 +303,11 @@ MEMORY_SHAPES = {
 }
 
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def memory_probe(cfg, argv):
     """Under torchrun: train.main on argv; prints the rise of this process's peak RSS and the plan."""
     import train
-    base = rss()
+    with open("/proc/self/statm") as f:  # the RSS before training
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     from support import plots
     from support import resume
     resume.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak

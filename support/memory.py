@@ -31,8 +31,7 @@ def activation_bytes(mcfg, dtype, device_type):
     The residual stream stays fp32 under autocast (the embeddings are fp32), and so does each
     RMSNorm's x / rms(x)."""
     b, r, C, H = dtype.itemsize, 4, mcfg.n_embd, mcfg.ffn_dim
-    # the state X_k (both norms read it), the attention's fp32 log-sum-exp
-    n = r * C + 4 * mcfg.n_head
+    n = r * C + 4 * mcfg.n_head  # the state X_k (both norms read it), attention's fp32 log-sum-exp
     if mcfg.flavor == "llama":
         # x / rms(x) twice; the normed inputs, q k v, the rotated q and k, the attention output
         # (= the projection's input); SwiGLU's gate, silu, up, product
@@ -42,9 +41,8 @@ def activation_bytes(mcfg, dtype, device_type):
         n += b * (2 * C + 3 * C + C + 2 * H)
     if mcfg.model_type == "baseline":
         n += r * C  # the sequential block's state between attention and MLP
-    # masks after attention and MLP: bool on CUDA, float on CPU, where a baseline's
-    # attention-probability dropout has no fused kernel and keeps three (T, T) matrices per head and
-    # copies of q, k, v
+    # masks after attention and MLP: bool on CUDA, float on CPU, where a baseline's attention
+    # dropout has no fused kernel and keeps three (T, T) matrices per head and copies of q, k, v
     if mcfg.dropout > 0:
         n += 2 * C * (1 if device_type == "cuda" else 4)
         if device_type != "cuda" and mcfg.model_type == "baseline":
@@ -72,8 +70,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     diffeq = mcfg.model_type == "diffeq"
     hyper = sum(p.numel() for p in model.hyper.parameters()) if diffeq else 0
     units = [sum(p.numel() for p in u.parameters()) for u in fsdp_units(model)]
-    # embeddings, final norm, head: FSDP2's root unit, DDP's whole model but for hyper
-    root = P - sum(units)
+    root = P - sum(units)  # embeddings, final norm, head: FSDP2's root, DDP's model but hyper
     sharded = cfg.parallel == "fsdp" and world > 1
     ddp = cfg.parallel == "ddp" and world > 1
     share = world if sharded else 1
@@ -85,8 +82,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
     generated = generated_numel(model) * evals if diffeq else 0  # entries of W(t_k) for every k
     autocast = dtype != torch.float32
-    # FSDP2 gathers the units in bf16 under the policy
-    unit_bytes = b if sharded and autocast else 4
+    unit_bytes = b if sharded and autocast else 4  # FSDP2 gathers the units in bf16 (its policy)
 
     per_eval = activation_bytes(mcfg, dtype, device_type) * B * T
     # every evaluation keeps its input; one is recomputed at a time in the backward
@@ -96,11 +92,9 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     else:
         activations = per_eval * evals
         what = f"activations ({per_eval / (B * T * C):.0f} B per token, width and step)"
-    # X(1), the final norm, its output
-    activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C
+    activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C  # X(1), norm, output
     if mcfg.flavor == "llama" and diffeq:
-        # the fused q, k, v weight, one copy per step and micro-step
-        activations += b * 3 * C * C * evals
+        activations += b * 3 * C * C * evals  # the fused q, k, v weight, per step and micro-step
 
     compute = str(dtype).removeprefix("torch.")
     sharded_ways = f", sharded {world} ways" if sharded else ""
@@ -112,9 +106,8 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
                          if sharded else "generated weights W(t_k), once per step")
     backward = {
         f"parameters and AdamW state (12 B per parameter{sharded_ways})": 12 * P / share,
-        # FSDP2's sharded gradients appear only at the last micro-step's reduce-scatter; the
-        # unsharded ones are kept from the first micro-step on (gradient sync off), for every unit
-        # that ran
+        # FSDP2's sharded gradients appear at the last micro-step's reduce-scatter; the unsharded
+        # ones are kept from the first micro-step on (gradient sync off), for every unit that ran
         gradients: 4 * (P - hyper if once else P) if not sharded else 0,
         "FSDP2 root gathered (fp32) with its unsharded gradients": 8 * root if sharded else 0,
         # the ODE's run before and after the step loop

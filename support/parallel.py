@@ -72,9 +72,8 @@ def build(model, cfg, env):
         model.compile()
     if sharded(cfg, env):
         # weights generated once per step never run the hypernetwork's units through FSDP2
-        # (weightgen gathers W in bf16 and reduces dL/dW in fp32 itself); a policy on them would
-        # only trip FSDP2's post-backward on parameters it never unsharded (torch 2.13, with
-        # gradient sync off)
+        # (weightgen gathers W and reduces dL/dW itself); a policy on them would only trip FSDP2's
+        # post-backward on parameters it never unsharded (torch 2.13, with gradient sync off)
         model = shard(model, None if generates_once(raw, cfg) else mixed_precision(env))
     elif env.distributed:
         DDP = torch.nn.parallel.DistributedDataParallel

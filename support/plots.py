@@ -166,8 +166,7 @@ def shaded_text(tokens, rows, title, path, width=80):
     fig_w, fig_h = max(width * char_w + 2 * pad, 7.5), len(rows) * panel_h + 0.5
     fig = plt.figure(figsize=(fig_w, fig_h))
     for r, (label, values, cmap) in enumerate(rows):
-        # inches from the bottom to the top of this row's text
-        top = fig_h - 0.5 - r * panel_h - 0.25
+        top = fig_h - 0.5 - r * panel_h - 0.25  # inches from the bottom to this row's text top
         ax = fig.add_axes((pad / fig_w, (top - lines * line_h) / fig_h,
                            width * char_w / fig_w, lines * line_h / fig_h))
         rgba, white = shade(values, cmap)
