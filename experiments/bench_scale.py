@@ -31,6 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import prepare
+import train
+from model import DiffEqFormer, ModelConfig, evaluations
+from support import common, parallel, plots, resume
+from support.configurator import parse_config, run_main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
@@ -58,9 +64,7 @@ class ScaleConfig:
 def flat_tensors(x):
     if isinstance(x, torch.Tensor):
         return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in flat_tensors(y)]
-    return []
+    return [t for y in x for t in flat_tensors(y)] if isinstance(x, (list, tuple)) else []
 
 
 def nbytes(x):
@@ -114,13 +118,8 @@ def counting_mode():
 
 def setup_run(mcfg, tcfg, env):
     """(step function, model, raw, optimizer) as train.main builds them."""
-    from support import common
-    import train
-    from model import DiffEqFormer
-    from support import parallel
     torch.manual_seed(0)
-    sharded = parallel.sharded(tcfg, env)
-    with torch.device("meta" if sharded else env.device):
+    with torch.device("meta" if parallel.sharded(tcfg, env) else env.device):
         model = DiffEqFormer(mcfg)
     model = parallel.build(model, tcfg, env)
     raw = parallel.unwrap(model)
@@ -137,9 +136,6 @@ def last_wins(argv):
 
 
 def configs(argv, **overrides):
-    import train
-    from support.configurator import parse_config
-    from model import ModelConfig
     mcfg, tcfg, _ = parse_config(last_wins(argv), ModelConfig, train.TrainConfig)
     return (ModelConfig(**{**mcfg.to_dict(), **overrides.get("model", {})}),
             train.TrainConfig(**{**tcfg.__dict__, **overrides.get("train", {})}))
@@ -152,7 +148,6 @@ STEP_SHAPE = ["--n_layer=6", "--n_embd=512", "--n_head=8", "--block_size=512", "
 
 
 def step(cfg, argv):
-    from support import common
     torch.set_num_threads(cfg.threads)
     env = common.setup("cpu", "float32")
     args = STEP_SHAPE + [f"--gradient_accumulation_steps={cfg.accum}"] + argv
@@ -205,7 +200,6 @@ COMM_MODELS = (("baseline", dict(model_type="baseline"), {}), ("ODE, weights per
 
 def comm_probe(cfg, argv):
     """Under torchrun: bytes moved by one iteration of each model (after a warm-up iteration)."""
-    from support import common
     torch.set_num_threads(1)
     env = common.setup("cpu", "float32")
     out = {}
@@ -227,9 +221,7 @@ def planned_bytes(mcfg, tcfg, world, dtype):
     unit in its forward and again in its backward, the root (embeddings, head) once per micro-step, and
     reduce-scatters once per iteration (gradient sync off before the last micro-step); weights made
     once per step are all-gathered once and dL/dW reduce-scattered once; DDP all-reduces once."""
-    import train
-    from support import memory, parallel
-    from model import DiffEqFormer, ModelConfig, evaluations
+    from support import memory  # (this module's memory() is another)
     m = tcfg.gradient_accumulation_steps // world  # micro-steps per process
     b = dtype.itemsize  # compute; FSDP2 gathers the units in it under its policy, the root in fp32
     out = {}
@@ -254,32 +246,32 @@ def planned_bytes(mcfg, tcfg, world, dtype):
 
 def comm_plan(cfg, argv):
     """The arithmetic of planned_bytes for a training config (bf16 compute, as on GPUs)."""
-    for parallel in ("ddp", "fsdp"):
-        mcfg, tcfg = configs(argv, train=dict(parallel=parallel))
+    for scheme in ("ddp", "fsdp"):
+        mcfg, tcfg = configs(argv, train=dict(parallel=scheme))
         planned = planned_bytes(mcfg, tcfg, cfg.world, torch.bfloat16)
         gpt = planned["baseline"]
-        print(f"{parallel.upper()} over {cfg.world} GPUs, {tcfg.gradient_accumulation_steps // cfg.world} micro-steps each: " +
+        print(f"{scheme.upper()} over {cfg.world} GPUs, {tcfg.gradient_accumulation_steps // cfg.world} micro-steps each: " +
               ", ".join(f"{name} {n / 1e9:,.1f} GB ({n / gpt:.2f} x)" for name, n in planned.items()))
 
 
 def comm(cfg, argv):
     rows = {}
-    for parallel in ("ddp", "fsdp"):
-        args = COMM_SHAPE + [f"--parallel={parallel}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
+    for scheme in ("ddp", "fsdp"):
+        args = COMM_SHAPE + [f"--parallel={scheme}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
         done = torchrun(cfg.world, ["--probe=comm", *last_wins(args)])
-        rows[parallel] = json.loads(done.split("RESULT ", 1)[1].splitlines()[0])
+        rows[scheme] = json.loads(done.split("RESULT ", 1)[1].splitlines()[0])
     mcfg, tcfg = configs(COMM_SHAPE + argv)
     print(f"bytes moved by collectives per iteration and process ({cfg.world} processes, {cfg.accum} micro-step(s) each; "
           f"{mcfg.n_layer} steps, width {mcfg.n_embd}, d_t {mcfg.d_t}, vocabulary {mcfg.vocab_size})")
     print(f"{'':6s}{'model':30s}{'all-reduce':>12s}{'all-gather':>12s}{'reduce-scat.':>13s}{'other':>9s}{'total':>12s}"
           f"{'/ base':>7s}{'planned':>12s}")
-    for parallel, by_model in rows.items():
+    for scheme, by_model in rows.items():
         gpt = sum(by_model["baseline"].values())
-        args = COMM_SHAPE + [f"--parallel={parallel}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
+        args = COMM_SHAPE + [f"--parallel={scheme}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
         planned = planned_bytes(*configs(args), cfg.world, torch.float32)
         for name, kinds in by_model.items():
             other = sum(v for k, v in kinds.items() if k not in ("all-reduce", "all-gather", "reduce-scatter"))
-            print(f"{parallel.upper():6s}{name:30s}{mb(kinds.get('all-reduce', 0)):>12s}{mb(kinds.get('all-gather', 0)):>12s}"
+            print(f"{scheme.upper():6s}{name:30s}{mb(kinds.get('all-reduce', 0)):>12s}{mb(kinds.get('all-gather', 0)):>12s}"
                   f"{mb(kinds.get('reduce-scatter', 0)):>13s}{mb(other):>9s}{mb(sum(kinds.values())):>12s}"
                   f"{sum(kinds.values()) / gpt:7.2f}{mb(planned[name]):>12s}")
     return rows
@@ -305,18 +297,14 @@ MEMORY_SHAPES = {
 
 def memory_probe(cfg, argv):
     """Under torchrun: train.main on argv; prints the rise of this process's peak RSS and the plan."""
-    import train
     with open("/proc/self/statm") as f:  # the RSS before training
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    from support import plots
-    from support import resume
     resume.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak
     plots.loss_curve = lambda *a, **k: None
     train.main(last_wins(argv))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     mcfg, tcfg = configs(argv)
     with torch.device("meta"):
-        from model import DiffEqFormer
         model = DiffEqFormer(mcfg)
     phase, plan = memory.memory_plan(model, mcfg, tcfg, int(os.environ["WORLD_SIZE"]), torch.float32, "cpu")
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
@@ -326,23 +314,22 @@ def memory_probe(cfg, argv):
 def memory(cfg, argv):
     with tempfile.TemporaryDirectory() as tmp:
         data = ["--dataset=shakespeare", f"--data_root={tmp}/data"]
-        import prepare
         prepare.prepare(dataset="shakespeare", tokenizer="byte", input_file="", val_file="", data_root=f"{tmp}/data")
         print(f"{'model':16s}{'shape':6s}{'flavour':8s}{'parallel':9s}{'plan MiB':>10s}{'peak MiB (ranks)':>20s}{'plan/peak':>11s}  peak phase")
         models = {"once": [], "per_micro_step": ["--no-generate_once"], "gpt": ["--model_type=baseline"]}
-        for model, shape, flavor, parallel in itertools.product(cfg.models.split(","), MEMORY_SHAPES, ("gpt", "llama"), ("ddp", "fsdp")):
+        for model, shape, flavor, scheme in itertools.product(cfg.models.split(","), MEMORY_SHAPES, ("gpt", "llama"), ("ddp", "fsdp")):
             if cfg.shapes and shape not in cfg.shapes.split(","):
                 continue
-            args = [*MEMORY_SHAPES[shape], *models[model], *data, f"--flavor={flavor}", f"--parallel={parallel}", "--max_iters=3",
+            args = [*MEMORY_SHAPES[shape], *models[model], *data, f"--flavor={flavor}", f"--parallel={scheme}", "--max_iters=3",
                     "--eval_interval=100", "--eval_iters=2", "--log_interval=100", "--dropout=0",
-                    f"--gradient_accumulation_steps={2 * cfg.world}", f"--out_dir={tmp}/out-{model}-{shape}-{flavor}-{parallel}",
+                    f"--gradient_accumulation_steps={2 * cfg.world}", f"--out_dir={tmp}/out-{model}-{shape}-{flavor}-{scheme}",
                     "--device=cpu", *argv]
             results_dir = tempfile.mkdtemp(dir=tmp)
             torchrun(cfg.world, ["--probe=memory", *args], env=dict(MALLOC_MMAP_THRESHOLD_="65536", RESULT_DIR=results_dir))
             results = [json.load(open(os.path.join(results_dir, name))) for name in os.listdir(results_dir)]
             peaks = [r["peak"] / 2 ** 20 for r in sorted(results, key=lambda r: r["rank"])]
             plan = results[0]["plan"] / 2 ** 20
-            print(f"{model:16s}{shape:6s}{flavor:8s}{parallel:9s}{plan:10,.0f}{' / '.join(f'{p:,.0f}' for p in peaks):>20s}"
+            print(f"{model:16s}{shape:6s}{flavor:8s}{scheme:9s}{plan:10,.0f}{' / '.join(f'{p:,.0f}' for p in peaks):>20s}"
                   f"{plan / max(peaks):11.2f}  {results[0]['phase']}", flush=True)
 
 
@@ -363,7 +350,6 @@ WHAT = {"step": step, "comm": comm, "comm_plan": comm_plan, "memory": memory}  #
 def main(argv):
     own = [a for a in argv if a.lstrip("-").split("=")[0] in ScaleConfig.__dataclass_fields__]
     rest = [a for a in argv if a not in own]
-    from support.configurator import parse_config
     cfg, _ = parse_config(own, ScaleConfig)
     if cfg.probe == "comm":
         return comm_probe(cfg, rest)
@@ -373,5 +359,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from support.configurator import run_main
     run_main(main)

@@ -4,17 +4,13 @@ takes run there, and measures them. Without CUDA it runs a tiny version of itsel
 
     python -m experiments.gpu_check --out=out-gpu-check
 
-1. tests/test_cuda.py, in a pytest process of its own: CUDA against the CPU for every model in float32
-   and bf16, the SDPA kernels of training and of decoding, the KV cache against recomputation, compiled
-   decoding's CUDA graphs against eager decoding, float16 with GradScaler, --compile, the memory plan
-   against the allocator, torchrun and resumption.
+1. tests/test_cuda.py, in a pytest process of its own (the CUDA paths against the CPU's).
 2. Greedy decoding with the KV cache (sample.generate) at GPT-2 small's shape (config/owt_gpt_small.py),
    batch 1 and 16: GPT and ODE, eager and compiled as sample.py --compile runs it, interleaved.
 3. GPT against DiffEqFormer at that shape (one micro-step of 16 x 1024 tokens per optimizer step),
-   train.py's own training step (train.train_step), compiled, then eager, in interleaved rounds as
-   experiments/bench.py runs them: tokens/s (median and interquartile range), MFU as train.py counts
-   it, the allocator's peak beside the memory plan, the first call (compiling) and graph breaks, the
-   ODE/GPT ratio of paired rounds.
+   train.train_step, compiled, then eager, in interleaved rounds as experiments/bench.py runs them:
+   tokens/s, MFU as train.py counts it, the allocator's peak beside the memory plan, the first call
+   (compiling) and graph breaks, the ODE/GPT ratio of paired rounds.
 4. Where the compiled steps' time goes: phase by phase and kernel by kind, GPT beside the ODE.
 
 A part that the budget would not cover is skipped with a "skipped: time" row. One table is printed

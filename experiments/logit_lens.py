@@ -5,11 +5,9 @@ gives them (output_hidden_states=True, docs/export.md), for Euler and RK4 at the
     python -m experiments.logit_lens --init_from=out-export       # 6 steps, euler and rk4
     python -m experiments.logit_lens --init_from=out-export --steps=12 --solvers=euler,midpoint,rk4
 
-The head, after the final norm, applied to X(t_k) gives a next-token distribution at each t_k (the
-last hidden state has had the norm: it gives the logits). Shown: the probability of `--answer`
-after `--prompt`, and the probability of the token that follows, averaged over every position of
-`--windows` windows of the end of tiny Shakespeare (the validation split's text), against t_k = k/N.
-Into --out: logit_lens.png and logit_lens.json.
+The head, after the final norm, applied to X(t_k) gives a next-token distribution at each t_k.
+Shown against t_k = k/N: the probability of `--answer` after `--prompt`, and that of the next token
+averaged over `--windows` windows of the end of tiny Shakespeare. Into --out: logit_lens.png, .json.
 """
 import json
 import os

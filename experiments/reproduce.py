@@ -13,20 +13,15 @@ results are built when it has finished. At the end: results/results.json, result
 the tables of results/README.md (between its `<!-- results:NAME -->` markers).
 
 The experiments (Tong et al., ICLR 2025; results/README.md says what each one shows):
-1. Table 1: GPT, weight sharing and DiffEqFormer at the same width and depth (6 layers / steps), and
-   the Llama-flavour pair, each with its own learning-rate sweep; a second seed at each best rate.
+1. Table 1: GPT, weight sharing, DiffEqFormer and the Llama-flavour pair at 6 layers / steps, each
+   with its own learning-rate sweep (plan); a second seed at each best rate.
 2. Ablations of DiffEqFormer: the authors' init vs the GPT-like one, beta2, d_t (App. D.1).
-3. Fig. 5: an 18-step DiffEqFormer and a 24-layer GPT pretrained on tiny Shakespeare, fine-tuned on
-   WikiText-2 with LoRA and fully, the ODE at 9, 12, 18 and 24 steps.
-4. Adaptive compute: validation loss against step count and solver, for the authors' training and
-   the any-depth training (config/anydepth.py).
+3. Fig. 5: an 18-step DiffEqFormer and a 24-layer GPT, fine-tuned on WikiText-2 (LoRA and full).
+4. Adaptive compute: validation loss against step count and solver, authors' and any-depth training.
 5. The analysis figures (Fig. 2, Fig. 3): spectra of the ODE and the GPT, clustering, Lyapunov.
-6. The budget curve: GPT, weight sharing and DiffEqFormer at their best rates of 1., each trained
-   with a schedule as long as its budget (500 to 4000 iterations), two seeds, on tiny Shakespeare
-   and WikiText-2's test split together; the rate recheck and two more seeds: budget_plan (the
-   extra seeds' 16 jobs take 5.3 h of one core). Each job is recorded in results.json as it
-   finishes and section 6 rewritten: a run spread over sessions resumes from the committed json,
-   even without the run folders.
+6. The budget curve (budget_plan): GPT, weight sharing and DiffEqFormer at their rates of 1., each
+   schedule as long as its budget, on tiny Shakespeare and WikiText-2's test split, recorded in
+   results.json job by job (a run spread over sessions resumes from it, without the run folders).
 --only=paper runs 1-5, --only=budget runs 6 (at the rates that results/results.json holds).
 """
 import json
