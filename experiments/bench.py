@@ -131,10 +131,9 @@ def matmul(env):
 
 
 def forward_flops(mcfg, T, keys, logit_rows, evals=None, hyper_params=0):
-    """FLOPs of one forward pass of one sequence: T new tokens through `evals` evaluations of the block
-    (2 per weight per token), attention over `keys` (query, key) pairs in all (4 C each: scores and the
-    weighted sum), the head on logit_rows positions, and generating the weights (2 per hypernetwork
-    parameter per evaluation) when hyper_params is given."""
+    """FLOPs of one forward pass of one sequence: T new tokens through `evals` evaluations of the
+    block (2 per weight), attention over `keys` (query, key) pairs (4 C each), the head on
+    logit_rows positions, and generating the weights (2 per hyper_params each)."""
     evals = evals or mcfg.n_layer
     C = mcfg.n_embd
     return (2 * T * evals * runlog.block_params(mcfg) + 4 * evals * C * keys + 2 * logit_rows * C * mcfg.vocab_size
@@ -366,10 +365,9 @@ def probe_fn(row, name, mcfg, cfg, env):
 
 
 def probe(which, mcfg, cfg, env):
-    """Peak memory of one row of one model, in this (fresh) process, above what the process held before
-    it built the model: the model's, its optimizer's and its activations'. On a CPU, the same row runs
-    first on a tiny model so that most library code is paged in before, and the library pages mapped
-    during the run (file-backed RSS, which never shrinks here) are subtracted from the RSS peak."""
+    """Peak memory of one row of one model in this fresh process, above what it held before it built
+    the model. On a CPU the row runs on a tiny model first (library code paged in), and pages mapped
+    during the run (file-backed RSS) are left out of the RSS peak."""
     row, name = which.split(":")
     tiny = ModelConfig(**{**mcfg.to_dict(), "n_embd": 2 * mcfg.n_head, "ffn_dim": 0, "vocab_size": 64, "block_size": 8, "d_t": 2})
     probe_fn(row, name, tiny, dataclasses.replace(cfg, batch_size=1, prompt_tokens=2, decode_tokens=2), env)()

@@ -217,10 +217,9 @@ def comm_probe(cfg, argv):
 
 
 def planned_bytes(mcfg, tcfg, world, dtype):
-    """{model: bytes per iteration and process} by the arithmetic of the counts above: FSDP2 all-gathers a
-    unit in its forward and again in its backward, the root (embeddings, head) once per micro-step, and
-    reduce-scatters once per iteration (gradient sync off before the last micro-step); weights made
-    once per step are all-gathered once and dL/dW reduce-scattered once; DDP all-reduces once."""
+    """{model: bytes per iteration and process} by the arithmetic of the counts above: FSDP2
+    all-gathers a unit in forward and backward, the root per micro-step, reduce-scatters once per
+    iteration; weights made once per step are all-gathered once, dL/dW and DDP's gradients too."""
     from support import memory  # (this module's memory() is another)
     m = tcfg.gradient_accumulation_steps // world  # micro-steps per process
     b = dtype.itemsize  # compute; FSDP2 gathers the units in it under its policy, the root in fp32

@@ -151,9 +151,8 @@ class CheckpointLM:
                             f"context, or leave the task out") from None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
-        """(log-likelihood, is_greedy) of each (strings, context tokens, continuation tokens), as TemplateLM
-        encodes them. An empty context comes as [eot]; with no eot (bytes) as [None], and then the
-        continuation's first token is its context."""
+        """(log-likelihood, is_greedy) of each (strings, context, continuation); an empty context is
+        [eot], or [None] with no eot (bytes): the continuation's first token is its context."""
         seqs = []
         for i, (_, context, continuation) in enumerate(requests):
             tokens = continuation if context == [None] else context + continuation
@@ -209,9 +208,8 @@ class CheckpointLM:
 
 @functools.cache
 def lm_class():
-    """CheckpointLM with lm-eval's TemplateLM as a base, registered in lm-eval's model registry as
-    "diffeqformer" on the first call: simple_evaluate(model="diffeqformer", model_args=...) and
-    `python -m experiments.harness --model diffeqformer` build it from a checkpoint."""
+    """CheckpointLM with lm-eval's TemplateLM as a base, registered as "diffeqformer" in lm-eval's
+    model registry on the first call (simple_evaluate, harness)."""
     cls = type("CheckpointLM", (CheckpointLM, harness().api.model.TemplateLM), {})
     return harness().api.registry.register_model(LM_NAME)(cls)
 

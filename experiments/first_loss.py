@@ -4,12 +4,11 @@ Why a DiffEqFormer at GPT-2 small's shape starts at a loss of 13.7, not ln V = 1
 
     python -m experiments.first_loss      # GPT-2 small's shape, 3 draws of each, ~5 min on 2 cores
 
-At init="reference" every generated weight W(t) = A_W z(t) + B_W starts near zero (B_W = 0, A_W
-and the time MLPs at std 0.02: entries of ~4e-4), so the ODE barely moves: X(1) ~ X(0) = wte[i] +
-wpe[p].
-The tied head scores token j by <LN(X(1)), wte[j]>, and the input token i scores itself highest:
-with wte ~ N(0, s_e^2), an ODE's wpe ~ N(0, s_p^2) (init_weights: s_e = 0.02, s_p = 0.01) and
-LayerNorm's eps, its logit is about C s_e^2 / sqrt(s_e^2 + s_p^2 + eps) = 0.0177 C, every other
+At init="reference" every generated weight W(t) = A_W z(t) + B_W starts near zero (B_W = 0, A_W and
+the time MLPs at std 0.02: entries of ~4e-4), so the ODE barely moves: X(1) ~ X(0) = wte[i] +
+wpe[p]. The tied head scores token j by <LN(X(1)), wte[j]>, and the input token i scores itself
+highest: with wte ~ N(0, s_e^2), an ODE's wpe ~ N(0, s_p^2) (init_weights: s_e = 0.02, s_p = 0.01)
+and LayerNorm's eps, its logit is about C s_e^2 / sqrt(s_e^2 + s_p^2 + eps) = 0.0177 C, every other
 token's about N(0, C s_e^2). Where the next token is another one, the loss is then about
 log(exp(logit) + (V - 1) exp(C s_e^2 / 2)). Dropout p in training mode (the GPU check's) divides
 X(0)'s variance by 1 - p, and the logit by sqrt(1 - p) (eps aside).

@@ -191,11 +191,10 @@ def finished(folder, argv):
 
 
 def run(jobs, workers, results_of, runs, ledger=None):
-    """Run the jobs, `workers` at a time with one thread each, each in its folder runs/<name>, a job once
-    everything in its `after` is done; a job that already finished with the same command is skipped,
-    as is one that `ledger` (a Ledger) holds with the same command; a finished job is recorded
-    in it. A job that did not finish starts over. Ctrl-C stops the jobs under way too.
-    The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
+    """Run the jobs, `workers` at a time with one thread each, each in runs/<name> once everything
+    in its `after` is done; a job finished with the same command, or that `ledger` holds with it, is
+    skipped, a finished one recorded there; one that did not finish starts over. Ctrl-C stops the
+    jobs under way too. Returns the failed jobs' names."""
     running = {}  # name: (folder, argv, process, log, start time)
     bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
     try:
@@ -471,12 +470,11 @@ def budget_name(model, budget, seed, factor=1.0, first=SEEDS[0]):
 
 
 def budget_plan(cfg, rates, better=None):
-    """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
-    run is a complete curve over fewer budgets), then the rate recheck at the longest, then the
-    second seed at each rate that the recheck found better, {model: factor} in `better`. Then, in
-    stages of their own, EXTRA_SEEDS for GPT and DiffEqFormer at every budget but the shortest
-    (where their gap is within the seed spread; at the shortest it is far outside), shortest
-    first, and at the longest at their better rate too."""
+    """The budget jobs: every model and seed at each budget, the shortest first (a partial run is a
+    curve over fewer budgets), then the rate recheck at the longest, then the second seed at each
+    rate the recheck found better ({model: factor} `better`). Then, in stages of their own,
+    EXTRA_SEEDS for GPT and DiffEqFormer at every budget but the shortest (where their gap is far
+    outside the seed spread), and at the longest at their better rate."""
     budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
     evals = ["--eval_iters=2"] if cfg.quick else []
 

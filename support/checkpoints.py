@@ -37,9 +37,9 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
 def save(obj, path, resumable=False):
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file,
-    and a full disk or a read-only folder is one UserError that leaves the file before intact (a
-    run's checkpoint, `resumable`, which --init_from=resume continues)."""
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file;
+    a full disk or read-only folder is one UserError, the file before intact (`resumable`: a run's
+    checkpoint)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp, existed = f"{path}.tmp{os.getpid()}", os.path.exists(path)
     try:
@@ -176,9 +176,8 @@ def load(path, kind=MODEL, map_location="cpu"):
 
 def check_finite(ckpt, path):
     """The checkpoint dict, if its weights (a model's, or adapters) are a {name: tensor} dict,
-    finite and adding up within float32's range; else one UserError (a model made of them computes
-    NaN or inf). One sum per tensor, which NaN, inf or values too large (3e38) make NaN or inf: a
-    fraction of a load (docs/training.md; an isfinite mask costs 10x more)."""
+    finite and within float32's range; else one UserError. One sum per tensor (NaN, inf or values
+    past 3e38 make it NaN or inf): a fraction of a load (docs/training.md)."""
     for entry in ("model", "adapters"):
         weights = ckpt.get(entry) or {}
         if not (isinstance(weights, dict) and all(

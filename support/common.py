@@ -255,10 +255,9 @@ class Claim:
 
 
 class Interrupt:
-    """Ctrl-C during training: the first one is acknowledged at once and asks the loop to save the
-    iteration it is at and stop (train.fit raises Interrupted) when the step or evaluation under way
-    ends; a second one stops at once. Under torchrun every rank gets the signal, at its own moment:
-    `asked()` agrees across the ranks, so that all stop together."""
+    """Ctrl-C during training: the first one asks the loop to save its iteration and stop (train.fit
+    raises Interrupted) when the step or evaluation under way ends; a second stops at once. Under
+    torchrun `asked()` agrees across the ranks, so that all stop together."""
 
     def __init__(self, env, out_dir):
         self.env, self.out_dir, self.flag = env, out_dir, False

@@ -140,9 +140,8 @@ def check_own_folder(path, flag):
 def check_out_dir(cfg):
     """Refuse, before anything is written, an out_dir of the project's own files; one that a live
     run holds (its lock: said first); one whose files would replace the checkpoint the run starts
-    from (whatever --overwrite says); --init_from=resume where out_dir holds no checkpoint; and a
-    new run in an out_dir that holds a run (any of RUN_FILES), but with --overwrite (as
-    transformers' --overwrite_output_dir: runlog.start_over removes the earlier run's files)."""
+    from (even with --overwrite); --init_from=resume where out_dir holds no checkpoint; a new run
+    where a run is (any of RUN_FILES) but with --overwrite."""
     check_own_folder(cfg.out_dir, "out_dir")
     lock = filelock.FileLock(os.path.join(cfg.out_dir, ".lock"), timeout=0)  # one try
     if os.path.isfile(lock.lock_file):  # a run's, live or ended: held means live
@@ -178,9 +177,8 @@ DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # full, over quota, rea
 
 
 def write_error(path, error):
-    """The UserError of an OSError met while writing `path`: a full disk, a quota, a read-only
-    file system. numpy reports a short write without an errno ("Not enough free space to write N
-    bytes", or "N requested and 0 written"): a full disk too."""
+    """The UserError of an OSError met while writing `path`: a full disk, a quota, a read-only file
+    system; numpy's short write without an errno ("Not enough free space to write N bytes") too."""
     full = error.errno in (errno.ENOSPC, errno.EDQUOT, None)
     why = error.strerror or str(error) or type(error).__name__
     return UserError(f"could not write {path or 'a file'}: {why}"
@@ -376,10 +374,9 @@ def split_args(argv, owners):
 
 def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
     """(instances..., given): one instance of each dataclass from argv (config files, then flags,
-    later wins; `default_file` where argv names no config file), and the keys the user chose in a
-    config file or on the command line: a script tells a choice from a default (resuming, a
-    checkpoint's shape and tokenizer win over `defaults`). `check(given)` runs before any instance
-    is built: a script refuses there the keys it does not take (finetune.py: the model's shape)."""
+    later wins; `default_file` where argv names no config file), and the keys the user chose, in a
+    config file or a flag (a script tells a choice from a default). `check(given)` runs first: a
+    script refuses the keys it does not take (finetune.py: the shape)."""
     owners = fields_of(*classes)
     asked_help = "--help" in argv or "-h" in argv
     files, pairs = split_args([a for a in argv if a not in ("--help", "-h")], owners)
@@ -446,9 +443,8 @@ def run_main(main):
 
 def outlive_rank_0(seconds=60):
     """Under torchrun, a rank that leaves an error every rank has to rank 0 waits until torchrun
-    stops it, which torchrun does once a rank has exited: rank 0, having said why, so that its
-    status is the failure torchrun reports (a rank that exited first would have rank 0 stopped,
-    perhaps before it printed). At most `seconds`, and not past torchrun's own end."""
+    stops it (once a rank has exited): rank 0 exits first, having said why, its status the failure
+    torchrun reports. At most `seconds`, and not past torchrun's own end."""
     parent, deadline = os.getppid(), time.monotonic() + seconds
     while os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -26,10 +26,9 @@ def generated_numel(model):
 
 
 def activation_bytes(mcfg, dtype, device_type):
-    """Bytes that autograd keeps per token for one evaluation of the block (one solver stage or
-    layer), term by term; on CPU in fp32 a saved-tensors hook counts GPT 15 C and Llama 27 C values.
-    The residual stream stays fp32 under autocast (the embeddings are fp32), and so does each
-    RMSNorm's x / rms(x)."""
+    """Bytes that autograd keeps per token for one evaluation of the block (a solver stage or
+    layer), term by term (a saved-tensors hook on CPU in fp32 counts GPT 15 C and Llama 27 C
+    values); the residual stream and RMSNorm's x / rms(x) stay fp32 under autocast."""
     b, r, C, H = dtype.itemsize, 4, mcfg.n_embd, mcfg.ffn_dim
     n = r * C + 4 * mcfg.n_head  # the state X_k (both norms read it), attention's fp32 log-sum-exp
     if mcfg.flavor == "llama":
@@ -60,11 +59,10 @@ def runtime_overhead(device_type):
 
 
 def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda"):
-    """Estimated peak bytes per process, by part: ("phase", {part: bytes}). The peak is the larger
-    of two moments: the start of the last micro-step's backward (activations, logits and everything
-    held across micro-steps), and, for weights generated once per step, their pull-back into the
-    hypernetwork (every gradient and dL/dW at once). fp32 parameters, gradients and AdamW state;
-    compute in `dtype` (bf16 under autocast and FSDP2's policy on CUDA; fp32 on CPU)."""
+    """Estimated peak bytes per process, by part: ("phase", {part: bytes}), the larger of two
+    moments: the start of the last micro-step's backward, and, for weights generated once per step,
+    their pull-back into the hypernetwork (every gradient and dL/dW at once). fp32 parameters,
+    gradients and AdamW state; compute in `dtype` (bf16 on CUDA, fp32 on CPU)."""
     b = dtype.itemsize  # compute
     P = model.num_params()
     diffeq = mcfg.model_type == "diffeq"

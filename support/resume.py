@@ -84,9 +84,8 @@ def load_sharded(model, optimizer, folder):
 
 
 def convert_sharded(folder, dst=None):
-    """A sharded checkpoint folder -> the ordinary single file (model only, no optimizer state),
-    by default ckpt.pt beside the folder: the model of meta.pt's config, built on the CPU, takes
-    the shards in one process (no process group)."""
+    """A sharded checkpoint folder -> the ordinary single file (model only), by default ckpt.pt
+    beside the folder: meta.pt's model, built on the CPU, takes the shards in one process."""
     import torch.distributed.checkpoint as dcp
     dst = dst or os.path.join(os.path.dirname(os.path.abspath(folder)), "ckpt.pt")
     path = latest_sharded(folder)

@@ -149,10 +149,9 @@ def start_over(out_dir, names=RUN_FILES):
 
 
 class RunLog:
-    """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0 and mirrored to
-    wandb and TensorBoard (out_dir/tensorboard) when asked. A resumed run keeps the rows up to its
-    checkpoint (the evaluation at start_iter, not the training rows a killed run wrote after it),
-    in TensorBoard too, and goes on with its checkpoint's wandb run, `wandb_id`."""
+    """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0, mirrored to wandb
+    and TensorBoard when asked. A resumed run keeps the rows up to its checkpoint (not the training
+    rows a killed run wrote after it) and its checkpoint's wandb run."""
 
     def __init__(self, cfg, start_iter, master, config, wandb_id=None):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), master
@@ -233,9 +232,8 @@ def gpu_peak(name):
 
 def peak_flops(env, given=0.0):
     """The peak FLOP/s of one device for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
-    in bf16; on another GPU the best rate of a matmul in the run's dtype over half a second. None
-    on a CPU: its cores are shared with whatever else runs, and its float16 is emulated, so a
-    measured peak says little (MFU above 100% was seen)."""
+    in bf16; on another GPU a matmul's best rate in the run's dtype over half a second. None on a
+    CPU: shared cores and an emulated float16 make it say little."""
     if given > 0:
         return given
     if env.device.type == "cpu":
