@@ -21,7 +21,6 @@ process's RSS before it built the model). The shape comes from the model keys (M
 import dataclasses
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -465,12 +464,10 @@ def main(argv):
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; {cfg.pairs} interleaved rounds after "
           f"{cfg.warmup} warm-up")
     table = Table()
-    cache = tempfile.mkdtemp(prefix="bench-inductor-")  # an empty compile cache: compile times from scratch
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # (read when inductor first compiles)
-    try:
+    # an empty compile cache (read when inductor first compiles): compile times from scratch
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-", ignore_cleanup_errors=True) as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         run_rows(mcfg, cfg, env, table)
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
     table.measured_rows = cfg.row_list
     if "memory" in cfg.row_list:
         measure_memory(argv, table)

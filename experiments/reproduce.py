@@ -373,9 +373,8 @@ def fill_markers(text, tables):
 
 def curve(run_dir, smooth=0.9):
     """(iterations, training loss smoothed by an exponential moving average) from a run's log."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl"))]
     its, values, ema = [], [], None
-    for row in rows:
+    for row in map(json.loads, open(os.path.join(run_dir, "log.jsonl"))):
         if "loss" in row:
             ema = row["loss"] if ema is None else smooth * ema + (1 - smooth) * row["loss"]
             its.append(row["iter"])

@@ -5,15 +5,13 @@ The default run over seeds, and over which draw of the RNG its initial weights c
     python -m experiments.seeds --seeds=1337-1340 --draws=1 --jobs=1
 
 train.py seeds torch's RNG and builds the model, whose init_seed is the RNG's next draw (model.py,
-init_weights). Until this was fixed, the memory plan's meta builds drew first: 76c5ab8 built the
-model from the 2nd draw after the seed, ccd4bd4 from the 3rd, and now train.py seeds again just
-before the build (the 1st). The init procedure is one and the same, so the draws are independent
-samples of it: this measures how much the default run's result depends on the draw alone. Each
-(seed, draw) starts `python train.py --seed=S` (config/shakespeare.py, 1000 iterations) from the
-weights of that draw (`--init_from=` a file of ~14 MB written as it starts), with the training code
-of this commit; jobs run as experiments/reproduce.py runs them. The record, --out (JSON,
-results/seeds.json), checked before the first job, grows: each finished run is added to it (a run
-of the same seed and draw replaces its entry). The table of the whole record goes to stdout.
+init_weights). 76c5ab8 built it from the 2nd draw after the seed (the memory plan's meta builds drew
+first), ccd4bd4 from the 3rd, this commit from the 1st: the draws are independent samples of one
+init, and this measures how much the default run's result depends on the draw alone. Each (seed,
+draw) is `python train.py --seed=S` (1000 iterations) from that draw's weights (a file of ~14 MB),
+run as experiments/reproduce.py runs jobs. The record, --out (results/seeds.json), checked before
+the first job, grows: each finished run is added (replacing its seed and draw's entry); the table of
+the whole record goes to stdout.
 """
 import functools
 import json

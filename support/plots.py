@@ -3,10 +3,8 @@ Every figure and web page of the project, apart from the maths that computes wha
 scripts compute their numbers, then hand them to one function here per figure.
 
 * training: the loss curve of a run (train.py's loss.png)
-* analysis (analyze.py): eigenvalue spectra over t, the particle simulation, the prompt shaded by
-  its Lyapunov scores (PNG and HTML)
-* experiments: validation loss against depth (experiments/depth.py), the downstream-task bar chart
-  (experiments/eval.py), the logit lens over t (experiments/logit_lens.py)
+* analysis (analyze.py): spectra over t, the particle simulation, Lyapunov-shaded prompts
+* experiments: validation loss against depth, the downstream-task bar chart, the logit lens over t
 
 The results page's figures stay in experiments/reproduce.py. Figures go to files only (Agg).
 """

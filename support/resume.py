@@ -1,13 +1,10 @@
 """
-Saving and resuming a training run: train.py's checkpoints go through save_run / load_run /
-restore_run, which write and read out_dir/ckpt.pt on one process or under DDP, and under FSDP2 a
-sharded folder (torch.distributed.checkpoint): every rank writes its own shards, so 6.5B parameters
-are never gathered on one rank, and `python train.py --convert=FOLDER` turns the latest one into the
-ordinary single file.
-
-A kill at any moment leaves the last complete checkpoint loadable: each save is a new folder
-`iter_K/` inside `ckpt_sharded/`, and the text file `ckpt_sharded/LATEST` is switched to it
-(atomically) only once it is complete; older folders, and incomplete ones, are removed after that.
+Saving and resuming a training run (save_run, load_run, restore_run): out_dir/ckpt.pt on one
+process or under DDP; under FSDP2 a sharded folder (torch.distributed.checkpoint) that every rank
+writes its own shards into, so 6.5B parameters are never gathered on one rank (`python train.py
+--convert=FOLDER` turns it into the single file). A kill at any moment leaves the last complete
+checkpoint loadable: each save is a new folder `iter_K/` in `ckpt_sharded/`, and its `LATEST` is
+switched to it (atomically) once it is complete; older and incomplete folders are removed then.
 """
 import os
 import shutil
