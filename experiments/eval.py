@@ -208,8 +208,7 @@ class CheckpointLM:
 
 @functools.cache
 def lm_class():
-    """CheckpointLM with lm-eval's TemplateLM as a base, registered as "diffeqformer" in lm-eval's
-    model registry on the first call (simple_evaluate, harness)."""
+    """CheckpointLM on lm-eval's TemplateLM, registered as "diffeqformer" on the first call."""
     cls = type("CheckpointLM", (CheckpointLM, harness().api.model.TemplateLM), {})
     return harness().api.registry.register_model(LM_NAME)(cls)
 

@@ -37,14 +37,12 @@ STD_WTE, STD_WPE = 0.02, 0.01  # init_weights: the embeddings' std, an ODE's pos
 
 
 def own_logit(C, dropout=0.0):
-    """The input token's own logit where X(1) = X(0):
-    C s_e^2 / sqrt((s_e^2 + s_p^2) / (1 - p) + eps)."""
+    """The input token's logit if X(1) = X(0): C s_e^2 / sqrt((s_e^2 + s_p^2) / (1 - p) + eps)."""
     return C * STD_WTE ** 2 / math.sqrt((STD_WTE ** 2 + STD_WPE ** 2) / (1 - dropout) + EPS)
 
 
 def first_loss(C, V, dropout=0.0):
-    """The loss of a next token that is not the input one, where X(1) = X(0): the input token's
-    logit against V - 1 others of variance ~C s_e^2."""
+    """The loss of another next token if X(1) = X(0): V - 1 logits of variance ~C s_e^2."""
     return math.log(math.exp(own_logit(C, dropout)) + (V - 1) * math.exp(C * STD_WTE ** 2 / 2))
 
 

@@ -89,8 +89,7 @@ class Clock:
 
 
 def record_failure(part, error, report):
-    """A part that raised (an out-of-memory, a compiler's error): its error in the table, its traceback on
-    stderr, and the check goes on with the other parts."""
+    """A part that raised: its error in the table, its traceback on stderr; the check goes on."""
     traceback.print_exception(error)
     first_line = (str(error).strip().splitlines() or [""])[0]
     report["failed"].append(dict(part=part, error=f"{type(error).__name__}: {first_line}"[:300]))

@@ -47,8 +47,7 @@ class LensConfig:
 
 
 def lens(model, hidden_states):
-    """Next-token log-probabilities read from every state (B, T, vocab) each: the head after the
-    final norm, which the last state has had already (as GPT-2's and Llama's)."""
+    """Next-token log-probabilities of every state: the head after ln_f (the last has had it)."""
     m = model.model  # model.py's DiffEqFormer
     head = (m.wte if m.lm_head is None else m.lm_head).weight
     normed = [m.ln_f(h) for h in hidden_states[:-1]] + [hidden_states[-1]]

@@ -281,8 +281,7 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
 # -- the summary: results.json, figures, the tables of results/README.md --------------------------------
 
 def results_of(runs):
-    """{job name: final validation loss} of the finished training and fine-tuning jobs, for the jobs that
-    depend on them (the best learning rate of a sweep)."""
+    """{job name: final validation loss} of the finished jobs, for jobs that depend on them."""
     return lambda done: {name: final_val_loss(os.path.join(runs, name)) for name in done
                          if os.path.exists(os.path.join(runs, name, "log.jsonl"))}
 
@@ -292,8 +291,7 @@ def num_params(run_dir):
 
 
 def mean_se(values):
-    """The mean of a few seeds' values and its standard error: their standard deviation (n - 1)
-    over sqrt(n), which for two seeds is half their range."""
+    """The mean of a few seeds' values and its standard error (2 seeds: half their range)."""
     values = list(values)
     return float(np.mean(values)), float(np.std(values, ddof=1) / np.sqrt(len(values)))
 
@@ -501,8 +499,7 @@ def budget_plan(cfg, rates, better=None):
 
 
 def budget_seeds(jobs):
-    """{model: {budget: [seeds]}} of the jobs at the sweep's rate: the seeds each model has at each
-    budget, for the json (whose keys are strings: the budget is one too)."""
+    """{model: {budget (a string, for the json): [seeds]}} of the jobs at the sweep's rate."""
     seeds = {}
     for job in jobs:
         model, budget = job.meta["model"], str(job.meta["budget"])
@@ -588,8 +585,7 @@ def paired(b, model, reference, budget):
 
 
 def budget_points(b):
-    """{model: {budget: {seed: row}}} of the finished runs at the sweep's rate, at the budgets where
-    MIN_SEEDS or more of the model's seeds have finished."""
+    """{model: {budget: {seed: row}}} at the sweep's rate, where MIN_SEEDS seeds finished."""
     runs = {m: {budget: seed_runs(b, m, budget) for budget in b["budgets"]} for m in b["models"]}
     return {m: {budget: rows for budget, rows in by_budget.items() if len(rows) >= MIN_SEEDS}
             for m, by_budget in runs.items()}
@@ -677,8 +673,7 @@ def budget_versus(b, points, reference="gpt"):
 
 
 def recheck_best(b):
-    """{model: factor} of the best rate at the longest budget (seed 1; a tie keeps the smaller), for
-    each model whose rate recheck has finished."""
+    """{model: factor} of each finished recheck's best rate (seed 1; a tie: the smaller)."""
     return {m: min(losses, key=losses.get) for m, losses in budget_recheck(b).items()
             if None not in losses.values()}
 
@@ -792,8 +787,7 @@ def budget_ledger(cfg, out):
 
 
 def run_budget(cfg, out):
-    """Experiment 6, recorded job by job, planned again after each pass until the plan stops
-    growing (the recheck's results add jobs). Returns the failed jobs' names."""
+    """Experiment 6, planned again after each pass until the plan stops growing; the failed jobs."""
     planned = None
     while True:
         jobs, ledger = budget_ledger(cfg, out)

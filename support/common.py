@@ -41,8 +41,7 @@ class Env:
 
     @property
     def distributed(self):
-        """True under torchrun, whatever the number of processes: DDP or FSDP2 over a process group
-        (of one process too, so that one GPU runs NCCL's path)."""
+        """True under torchrun, whatever the number of processes (one GPU runs NCCL's path too)."""
         return dist.is_initialized()
 
     def autocast(self):

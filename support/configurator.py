@@ -63,8 +63,7 @@ class Interrupted(UserError):
 
 
 class Diverged(UserError):
-    """A loss or gradient norm that is not finite in training (train.fit): every rank has it (they
-    are reduced over the processes), rank 0 says it."""
+    """A loss or gradient norm that is not finite in training (train.fit): every rank has it."""
     every_rank = True
 
 
@@ -285,8 +284,7 @@ def read_config_file(path, relative_to=None):
 
 
 def assignment(path, key, relative_to=None):
-    """Where a config file sets `key`, as "config/x.py, line 3": its last assignment, or that of a
-    file it includes after it; None where it is not found."""
+    """Where a config file (or one it includes) last sets `key`: "x.py, line 3", or None."""
     found, lines = find_config_file(path, relative_to), []
     shown = found if relative_to else path  # an included file by the path that found it
     for node in ast.walk(ast.parse(open(found).read())):

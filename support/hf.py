@@ -35,8 +35,7 @@ QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def tensor_names(cfg):
-    """(our name, transformers' name, transposed?) of every tensor but the Llama flavour's fused
-    attention (split into q, k, v by the two functions below)."""
+    """(our name, transformers' name, transposed?) of every tensor but Llama's fused q, k, v."""
     yield from ((ours, theirs, False) for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items())
     for k in range(cfg.n_layer):
         for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():

@@ -141,8 +141,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
 
 
 def dry_run(mcfg, cfg, world, dtype=None, device_type="cuda", verbose=True):
-    """Print the plan (verbose) and refuse one that does not fit in gpu_memory_gb. dtype: the
-    compute dtype (default: cfg.dtype, with "auto" meaning a GPU's bf16)."""
+    """Print the plan (verbose); refuse one past gpu_memory_gb (dtype: cfg.dtype, auto: bf16)."""
     with torch.device("meta"):
         model = DiffEqFormer(mcfg)
     world = cfg.gpus or world

@@ -88,8 +88,7 @@ def build(model, cfg, env):
 
 
 def sync(model, last, cfg, env):
-    """Skip the gradient all-reduce on every micro-step but the last (DDP: no_sync covers forward
-    and backward; FSDP2: set_requires_gradient_sync)."""
+    """No gradient all-reduce but on the last micro-step (DDP's no_sync, FSDP2's switch)."""
     if sharded(cfg, env):
         model.set_requires_gradient_sync(last)
     elif env.distributed and not last:

@@ -36,8 +36,7 @@ def save_figure(fig, path):
 # -- training --------------------------------------------------------------------------------------
 
 def loss_curve(log_path, png_path):
-    """The losses of a run's log.jsonl against the iteration: every training batch, and the
-    evaluations of the train and validation splits."""
+    """A run's log.jsonl losses by iteration: training batches, train and validation evaluations."""
     rows = [json.loads(line) for line in open(log_path)]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     curves = (("loss", "-", "training batches"), ("train_loss", "--", "train (evaluation)"),
@@ -90,8 +89,7 @@ def spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
 # -- analysis: clustering of particles (analyze.py --cluster) --------------------------------------
 
 def clusters(names, paths, t, counts, ccfg, path):
-    """The particle simulation: one 3-D panel of trajectories per weight schedule (names), and the
-    number of clusters against t for every schedule."""
+    """The particle simulation: trajectories in 3-D per schedule, and clusters against t."""
     fig = plt.figure(figsize=(12, 7.5))
     colors = plt.get_cmap("tab10")
     for i, (name, xs) in enumerate(zip(names, paths)):

@@ -40,8 +40,7 @@ def clean(folder):
 
 
 def save_sharded(model, optimizer, meta, folder, iteration, master):
-    """Every rank writes its own shards into folder/iter_K; rank 0 writes meta.pt, then points
-    LATEST at the new folder, then removes the others."""
+    """Every rank writes its shards into folder/iter_K; rank 0 meta.pt, LATEST, then cleans up."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -100,8 +99,7 @@ def convert_sharded(folder, dst=None):
 # -- a training run's checkpoint: one file, or the sharded folder under FSDP2 ----------------------
 
 def save_run(model, optimizer, state, cfg, env, extra):
-    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP every rank's own shards in
-    out_dir/ckpt_sharded."""
+    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP every rank's shards."""
     scaler = env.scaler.state_dict()  # float16's loss scale (empty in other dtypes)
     meta = {"kind": checkpoints.MODEL, **extra, **state, "scaler": scaler}
     if parallel.sharded(cfg, env):

@@ -58,8 +58,7 @@ class Run:
         self.interrupt.close()
 
     def iterations(self):
-        """start..end, each once, or none for a resumed run that has done what it was asked; a run
-        that stops before its warm-up ends says so."""
+        """start..end once each (none if resumed and done); says so if it ends in the warm-up."""
         cfg = self.cfg
         if self.start >= self.end:
             self.env.print(f"{cfg.out_dir}/ is at iteration {self.start}: nothing left to train "
