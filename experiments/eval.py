@@ -6,10 +6,9 @@ Downstream evaluation with EleutherAI's lm-evaluation-harness (the paper's Table
     python -m experiments.eval --tasks shakespeare --include_path=experiments/tasks --compare=out-gpt/ckpt.pt  # a local task, two models
     python -m experiments.eval --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
 
-lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when this module runs. The
-checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with checkpoints.load_model (every kind:
-DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
-text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
+lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported as this module runs.
+Any checkpoint that checkpoints.load_model loads becomes an lm-eval language model (`CheckpointLM`)
+reading text with its own tokenizer; `--steps` and `--solver` change an ODE's computation.
 
 * loglikelihood: the last block_size + 1 tokens of context and continuation, one forward pass, the
   continuation's log-probabilities summed, and whether each of its tokens is the argmax; in batches

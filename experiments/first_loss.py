@@ -13,10 +13,9 @@ token's about N(0, C s_e^2). Where the next token is another one, the loss is th
 log(exp(logit) + (V - 1) exp(C s_e^2 / 2)). Dropout p in training mode (the GPU check's) divides
 X(0)'s variance by 1 - p, and the logit by sqrt(1 - p) (eps aside).
 
-Each model is built as train.py builds it (config/owt_gpt_small.py: width 768, 12 layers or steps,
-vocabulary 50304), and one forward pass of 1024 random tokens gives the first loss in eval mode and
-in training mode (dropout 0.1), the mean logit of each position's own input token and its
-probability, and the cosine of X(1) (the input of ln_f) with X(0).
+Each model is built as train.py builds it (config/owt_gpt_small.py), and one forward pass of 1024
+random tokens gives the first loss in eval and training mode (dropout 0.1), the mean logit of each
+position's own input token and its probability, and the cosine of X(1) (ln_f's input) with X(0).
 """
 import math
 import statistics

@@ -1,7 +1,6 @@
 """
 The run's environment, which every script shares: the device and its precision, seeding, the process
 group under torchrun, the lock on out_dir, Ctrl-C, and the batches of the prepared token files.
-Checkpoints are checkpoints.py's, what a run logs runlog.py's.
 """
 import contextlib
 import os

@@ -4,11 +4,10 @@ The command line of every script: config files, then overrides.
     python train.py config/owt_gpt_small.py --model_type=baseline --max_iters 100 \
         --compile --no-wandb
 
-Config files are short Python files of plain assignments; `include("other.py")` runs another one,
-named relative to the including file. Every key, from a file or a flag, is routed to the one
-dataclass field that owns it and coerced to that field's type; an unknown key or a bad value is one
-ConfigError that names the valid keys; `--help` lists every key with its default. nanoGPT's
-exec-based configurator accepts typos and rejects `--steps 9` or `--lora`; this one does neither.
+Config files are short Python files of plain assignments (`include("other.py")` runs another).
+Every key, from a file or a flag, goes to the one dataclass field that owns it, coerced to its type;
+an unknown key or a bad value is one ConfigError; `--help` lists every key with its default. Unlike
+nanoGPT's exec-based configurator, this one rejects typos and accepts `--steps 9` and `--lora`.
 """
 import os
 import signal

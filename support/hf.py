@@ -1,12 +1,11 @@
 """
 transformers' GPT-2 and Llama, both ways: our GPT and Llama baselines as its GPT2LMHeadModel and
 LlamaForCausalLM (export.py --format=hf), their folders read back as our checkpoints (every
---init_from, and OpenAI's GPT-2: train.py --init_from=gpt2), and our tokenizers as its
-tokenizer.json.
+--init_from, and OpenAI's GPT-2), and our tokenizers as its tokenizer.json.
 
 The names map one to one (TRANSFORMERS_NAMES); GPT-2 keeps its linear weights transposed (its Conv1D
 is x @ W, nn.Linear is x @ W^T) and Llama splits our fused q, k, v. transformers is an optional
-extra (requirements-eval.txt), imported only inside the functions that need it.
+extra (requirements-eval.txt), imported only where needed.
 """
 import os
 

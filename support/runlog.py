@@ -1,9 +1,7 @@
 """
-What a training run keeps besides its maths: `Run`, train.fit's books (the progress bar, the
-evaluations and the best validation loss, the checkpoints, Ctrl-C, a run that diverges, each
-iteration's row); out_dir/log.jsonl (mirrored to wandb and TensorBoard when asked); the summary
-printed as it starts; and the model FLOP utilisation (MFU) of every iteration: the training FLOPs of
-a token (METHOD 7) times tokens/s over the device's peak.
+What a training run keeps besides its maths: `Run`, train.fit's books; out_dir/log.jsonl (mirrored
+to wandb and TensorBoard when asked); the summary printed as it starts; and the model FLOP
+utilisation (MFU) of every iteration: a token's training FLOPs (METHOD 7) x tokens/s / the peak.
 """
 import json
 import math
