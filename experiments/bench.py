@@ -322,9 +322,8 @@ def status():
 
 
 def high_water(env):
-    """The peak so far: the CUDA allocator's, or the RSS high-water mark. That is VmHWM, not ru_maxrss:
-    on Linux ru_maxrss also holds the mark of the process that started this one (fork copies it, exec
-    keeps it), so a probe started by a big benchmark process would report the benchmark's peak."""
+    """The peak so far: the CUDA allocator's, or the RSS high-water mark VmHWM, not ru_maxrss (which
+    also holds the mark of the process that started this one)."""
     if env.device.type == "cuda":
         return torch.cuda.max_memory_allocated(env.device)
     return status()["VmHWM"]

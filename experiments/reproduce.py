@@ -527,9 +527,8 @@ def budget_row(job, folder, argv, seconds):
 
 
 class Ledger:
-    """The budget jobs' record in results.json ["budget"]["runs"], written as each job finishes, so
-    that a run spread over sessions resumes from the committed json: a job recorded with the same
-    command is skipped even without its folder. After each record, `render(r)` redraws the page."""
+    """The budget jobs' record in results.json ["budget"]["runs"], written as each job finishes
+    (skipped then even without its folder); `render(r)` redraws the page."""
 
     def __init__(self, path, plan, info, render=lambda r: None):
         self.path, self.render = path, render
@@ -714,9 +713,8 @@ def budget_best(b, reference="gpt"):
 
 
 def budget_figure(b, path):
-    """Validation loss (mean of the finished seeds, its standard error as the bar) against
-    iterations, tokens and training FLOPs; dotted: every evaluation of the longest runs (a long run
-    read early); stars: the longest budget at each model's best rate there (mean of the seeds)."""
+    """Validation loss (mean and s.e. of the seeds) against iterations, tokens and FLOPs; dotted:
+    the longest runs' evaluations; stars: each best rate there."""
     from support.plots import plt  # the Agg backend
     points, best = budget_points(b), best_rate_losses(b)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharey=True)

@@ -80,9 +80,8 @@ def initial_weights(seed, draw, path):
 
 
 def read_record(path):
-    """The record a file holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}} (JSON's string
-    keys), {} where there is none; a file that is not such a record (text, half a JSON, a list,
-    other keys, a loss that is no number) is one UserError, before the first job."""
+    """The record a file holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}}, {} where there
+    is none; any other file is one UserError (before any job)."""
     if not os.path.exists(path):
         return {}
     try:

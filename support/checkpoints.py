@@ -139,9 +139,8 @@ def load_folder(path):
 
 
 def load(path, kind=MODEL, map_location="cpu"):
-    """The checkpoint dict in `path`, loaded with weights_only=True (no code runs). A missing, empty
-    or unreadable file, or one of another kind (`kind` may be a tuple of kinds), is one UserError.
-    `path` may also be an exported folder, a transformers GPT-2 or Llama folder, or a Hub id."""
+    """The checkpoint dict in `path` (a file loaded weights_only, a model folder, a Hub id); a
+    missing, empty, unreadable or other-`kind` file is one UserError."""
     path, kinds = resolve(path), kind if isinstance(kind, tuple) else (kind,)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "LATEST")):
         raise UserError(f"{path} is a sharded checkpoint folder: convert it with "
@@ -206,9 +205,8 @@ def clean_state_dict(state_dict):
 
 
 def file_hash(path):
-    """sha256 of a checkpoint file's bytes, or of what makes a model folder's model: the names and
-    bytes of its config.json and weight files (*.safetensors, *.bin). What an adapters file records
-    of its base checkpoint; a folder's model card, tokenizer or code may change beside it."""
+    """sha256 of a checkpoint file, or of a model folder's config.json and weight files (names and
+    bytes): what an adapters file records of its base."""
     digest = hashlib.sha256()
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, name) for name in os.listdir(path)

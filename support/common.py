@@ -133,9 +133,8 @@ def on_master(env, fn, what):
 
 
 def teardown():
-    """Leave the process group at the end of a run; not while an error goes up to run_main: a gloo
-    peer that leaves before the others can make them abort (SIGABRT), and torchrun then stops rank 0
-    before it has said why (configurator.run_main: rank 0 exits first, the others wait)."""
+    """Leave the process group at the end of a run, not while an error goes up to run_main (a gloo
+    peer that leaves first can abort the others before rank 0 speaks)."""
     if dist.is_initialized() and sys.exc_info()[0] is None:
         dist.destroy_process_group()
 
@@ -165,11 +164,9 @@ def batches(data, block_size, cfg, env):
 
 
 class Batches:
-    """Random (x, y) windows of block_size tokens from a memmapped token file.
-
-    Stateless: the batch for (iteration, micro-step, rank) comes from an RNG seeded by those
-    numbers, so a resumed run continues exactly where it stopped (no batch is replayed), and K
-    processes with one micro-step each see the same examples as one process with K micro-steps."""
+    """Random (x, y) windows of block_size tokens from a memmapped token file, the batch for
+    (iteration, micro-step, rank) from an RNG seeded by those numbers: a resumed run continues
+    exactly, and K processes with one micro-step see what one process with K micro-steps sees."""
 
     def __init__(self, tokens, block_size, batch_size, device, seed, split_id):
         if len(tokens) <= block_size + 1:

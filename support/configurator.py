@@ -185,9 +185,8 @@ def write_error(path, error):
 
 @contextlib.contextmanager
 def written(path):
-    """Write a file atomically: the block writes the path it is given (path + ".tmp"), renamed to
-    `path` after it. A crash, Ctrl-C or full disk leaves the file before intact and no temporary
-    one; an OSError (a full disk, a quota, a read-only folder) is one UserError."""
+    """Write a file atomically: the block writes `path + ".tmp"`, then renamed to `path` (a crash
+    leaves the file before); an OSError is one UserError."""
     tmp = path + ".tmp"
     try:
         yield tmp
@@ -316,9 +315,8 @@ def field_comments(cls):
 
 
 def usage(classes, values=None, note=""):
-    """`--help`: every key with its type, default and the comment beside its field. The default is
-    the one the run would use: from `values` ({key: (value, where)}, the script's defaults and
-    config files) where they set it, with the field's own after "else" where it differs."""
+    """`--help`: every key with its type, default and comment; the default the run would use (from
+    `values`: {key: (value, where)}), the field's own after "else"."""
     values = values or {}
     lines = ["usage: python SCRIPT.py [config/FILE.py ...] "
              "[--key=value | --key value | --flag | --no-flag ...]"] + [note] * bool(note)

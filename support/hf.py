@@ -115,9 +115,8 @@ def to_transformers(model, tokenizer):
 
 
 def from_transformers(path, config):
-    """(model config dict, our state dict, tokenizer name, where it came from) of a transformers
-    GPT2LMHeadModel or LlamaForCausalLM folder, renamed; the vocabulary padded to a multiple of 64
-    with rows that never get probability (tokenizer_vocab)."""
+    """(model config dict, our state dict, tokenizer name, source) of a transformers GPT-2 or Llama
+    folder; the vocabulary padded to a multiple of 64 (tokenizer_vocab)."""
     kind = config.get("model_type")
     flavor = {"gpt2": "gpt", "llama": "llama"}.get(kind)
     if flavor is None:

@@ -50,9 +50,8 @@ def activation_bytes(mcfg, dtype, device_type):
 
 
 def runtime_overhead(device_type):
-    """What a process holds besides tensors: on CPU, measured (bench_scale.py --what=memory: a tiny
-    model's peak RSS rise, 2 gloo processes); on CUDA an allowance, not measured here, for the CUDA
-    context, NCCL's buffers and the caching allocator's fragmentation."""
+    """What a process holds besides tensors: on CPU, measured (bench_scale.py --what=memory); on
+    CUDA an allowance for the context, NCCL and fragmentation."""
     if device_type == "cuda":
         return {"CUDA context, NCCL buffers, allocator fragmentation (an allowance)": 3 * 2 ** 30}
     return {"process group, kernels' workspaces, Python (measured on CPU)": 70 * 2 ** 20}
@@ -199,9 +198,8 @@ def device_memory_gib(env):
 
 
 def decoding_gib(mcfg, dtype, B, n, L, steps, solver):
-    """About the memory sample.py's generation of B sequences of n tokens through KV caches of L
-    positions holds at once, in GiB: the tokens, the caches, one prefill's widest activations
-    (float32) and the sampling's copies of the logits."""
+    """About the GiB sample.py holds at once generating B sequences of n tokens with KV caches of L
+    positions: tokens, caches, a prefill's widest activations, logits."""
     caches = evaluations(mcfg, steps, solver) * 2 * B * L * mcfg.n_embd * dtype.itemsize
     widest = 4 * B * (L * max(3 * mcfg.n_embd, mcfg.ffn_dim, mcfg.n_head * L) + 4 * mcfg.vocab_size)
     return (8 * B * n + caches + widest) / 2 ** 30

@@ -112,9 +112,8 @@ def save_run(model, optimizer, state, cfg, env, extra):
 
 
 def load_run(cfg, env, fine_tuning=False):
-    """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no
-    weights); a fine-tuning run's (LoRA or full) where finetune.py resumes, which refuses a
-    pretraining run first. A run resumes on the data it trained on: another --dataset is refused."""
+    """The checkpoint to resume from (ckpt.pt, or the shards' meta.pt; a fine-tuning run's for
+    finetune.py), on the data it trained on: another --dataset is refused."""
     kind = (checkpoints.LORA_RUN, checkpoints.MODEL) if fine_tuning else checkpoints.MODEL
     folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
     if parallel.sharded(cfg, env):
@@ -153,9 +152,8 @@ def restore_run(model, optimizer, ckpt, cfg, env):
 
 
 def start_from(model, optimizer, ckpt, cfg, env):
-    """(the iteration the run starts at, its best validation loss so far) for the built model and
-    optimizer: a resumed run's state restored (ckpt from load_run), the weights of a checkpoint it
-    starts from loaded, or scratch (ckpt None)."""
+    """(the iteration the run starts at, its best validation loss): a resumed run's state restored
+    (ckpt from load_run), a checkpoint's weights, or scratch (None)."""
     if cfg.init_from == "resume":
         restore_run(model, optimizer, ckpt, cfg, env)
         env.print(f"resumed from iteration {ckpt['iter_num']}")
