@@ -6,15 +6,15 @@ An ODE checkpoint's validation loss against its step count and solver, without f
     python -m experiments.depth --tolerances=1e-2,1e-3,1e-4 --adjoint      # and the exact flow (torchdiffeq)
 
 A DiffEqFormer's depth is a solver step count, so a trained model can run at any N and with any
-fixed-step solver (METHOD 2); how good it is there is measured here: the table, and the loss against
-N and against the vector-field evaluations (the compute: N for Euler, 2N for midpoint, 4N for RK4)
-in --out (depth.png, depth.json).
+fixed-step solver (METHOD 2). Whether it is any good there is an empirical question: this prints the
+table, and plots the loss against N and against the number of vector-field evaluations (the compute:
+N for Euler, 2N for midpoint, 4N for RK4), into --out (depth.png, depth.json).
 
---tolerances adds torchdiffeq's adaptive dopri5 (pip install -r requirements-eval.txt) at
-rtol = atol = each tolerance: the loss of the ODE's exact flow, and its evaluations per forward
-pass. --adjoint prints the cosine between the loss gradient by backpropagation through torchdiffeq's
-fixed-step solve (the trained solver and step count) and by its adjoint method (docs/any-depth.md,
-"Why fixed steps").
+--tolerances adds torchdiffeq's adaptive dopri5 on vector_field_at (an optional extra: pip install -r
+requirements-eval.txt), at rtol = atol = each tolerance: the loss of the ODE's exact flow, as exact as asked,
+and the vector-field evaluations it took per forward pass. --adjoint prints the cosine between the loss
+gradient by backpropagation through torchdiffeq's fixed-step solve (the trained solver and step count) and
+by its adjoint method on the same grid (docs/any-depth.md, "Why fixed steps").
 """
 import json
 import os
