@@ -7,8 +7,7 @@ the repository root with `python -m experiments.NAME`:
 * depth        an ODE checkpoint's validation loss against its step count and solver
 * embedding    the ODE Llama's token-embedding scale: this project's 0.02 against the authors' 1
 * eval         downstream tasks with lm-evaluation-harness (the local ones in experiments/tasks/)
-* gpu_check    the GPU check: tests/test_cuda.py, then GPT against DiffEqFormer at GPT-2 small's shape, in
-               under 7 minutes on one GPU (a tiny version in seconds on a CPU)
+* gpu_check    the GPU check: tests/test_cuda.py, then GPT against the ODE at GPT-2 small's shape
 * harness      lm-eval's own command line with checkpoints as its model "diffeqformer"
 * reproduce    every experiment of results/README.md, at laptop scale
 """

@@ -21,7 +21,6 @@ process's RSS before it built the model). The shape comes from the model keys (M
 import dataclasses
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,8 +83,7 @@ def usage():
 
 
 def parse_args(argv):
-    """(ModelConfig, BenchConfig): config files (positional or --config) contribute the keys this
-    script owns, then flags override them."""
+    """(ModelConfig, BenchConfig, ignored keys): config files' keys of this script, then flags."""
     owners = fields_of(ModelConfig, BenchConfig)
     files, pairs = split_args(argv, owners)
     defaults, ignored = dict(DEFAULTS), set()
@@ -104,22 +102,19 @@ def parse_args(argv):
 def interleaved(fns, pairs, warmup, sync):
     """{name: [seconds of each timed repetition]} and {name: seconds of the first call}: every round runs
     every fn once, in alternating order (A B C, C B A, ...), so a neighbour's burst slows them alike."""
-    names, first = list(fns), {}
+    def clocked(name):
+        sync()
+        t0 = time.perf_counter()
+        fns[name]()
+        sync()
+        return time.perf_counter() - t0
+    names, first, times = list(fns), {}, {name: [] for name in fns}
     for r in range(warmup):
         for name in names:
-            sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            sync()
-            first.setdefault(name, time.perf_counter() - t0)
-    times = {name: [] for name in names}
+            first.setdefault(name, clocked(name))
     for r in range(pairs):
         for name in names if r % 2 == 0 else names[::-1]:
-            sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            sync()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clocked(name))
     return times, first
 
 
@@ -135,10 +130,9 @@ def matmul(env):
 
 
 def forward_flops(mcfg, T, keys, logit_rows, evals=None, hyper_params=0):
-    """FLOPs of one forward pass of one sequence: T new tokens through `evals` evaluations of the block
-    (2 per weight per token), attention over `keys` (query, key) pairs in all (4 C each: scores and the
-    weighted sum), the head on logit_rows positions, and generating the weights (2 per hypernetwork
-    parameter per evaluation) when hyper_params is given."""
+    """FLOPs of one forward pass of one sequence: T new tokens through `evals` evaluations of the
+    block (2 per weight), attention over `keys` (query, key) pairs (4 C each), the head on
+    logit_rows positions, and generating the weights (2 per hyper_params each)."""
     evals = evals or mcfg.n_layer
     C = mcfg.n_embd
     return (2 * T * evals * runlog.block_params(mcfg) + 4 * evals * C * keys + 2 * logit_rows * C * mcfg.vocab_size
@@ -163,10 +157,6 @@ class Table:
         q = quartiles([x / y for x, y in zip(a, b)])
         self.ratios.append((label, q, target))
         return q
-
-
-def fmt_memory(nbytes):
-    return "" if nbytes is None else "n/a" if nbytes < 0 else f"{nbytes / 2 ** 20:,.0f} MiB"
 
 
 # -- what is timed -----------------------------------------------------------------------------------
@@ -277,10 +267,8 @@ def run_rows(mcfg, cfg, env, table):
                  for n in names}
         flops["ODE weights"] = 3 * 2 * evaluations(models["ODE"]) * hyper_params(models["ODE"])
         for compiled in modes:
-            fns = {}
-            for n in names:
-                models[n].train()
-                fns[n] = train_step(models[n], torch.compile(models[n]) if compiled else models[n], x, x, env)
+            fns = {n: train_step(models[n].train(), torch.compile(models[n]) if compiled
+                                 else models[n], x, x, env) for n in names}
             if not compiled:
                 fns["ODE weights"] = weight_generation(models["ODE"], env)
             label = f"train step, {'compiled' if compiled else 'eager'}:"
@@ -293,10 +281,8 @@ def run_rows(mcfg, cfg, env, table):
         names = ("GPT", "ODE", "materialised")
         flops = {n: B * forward_flops(mcfg, T, causal_keys(T), T, evaluations(models[n])) for n in names}
         for compiled in modes:
-            fns = {}
-            for n in names:
-                models[n].eval()
-                fns[n] = inference(torch.compile(models[n]) if compiled else models[n], x, env)
+            fns = {n: inference(torch.compile(models[n].eval()) if compiled else models[n].eval(),
+                                x, env) for n in names}
             label = f"inference, {'compiled' if compiled else 'eager'}:"
             t = timed(label, fns, B * T, flops, compiled)
             table.ratio(f"{label} ODE / GPT", t["ODE"], t["GPT"])
@@ -306,22 +292,20 @@ def run_rows(mcfg, cfg, env, table):
         prompt = torch.randint(0, mcfg.vocab_size, (1, P), device=env.device)
         for m in models.values():
             m.eval()
-        fns = {"GPT, KV cache": decode_cached(models["GPT"], prompt, n, env),
-               "ODE, KV cache": decode_cached(models["ODE"], prompt, n, env),
-               "GPT, recomputed": decode_recomputed(models["GPT"], prompt, n, env),
-               "ODE, recomputed": decode_recomputed(models["ODE"], prompt, n, env)}
+        fns = {f"{m}, {how}": decode(models[m], prompt, n, env) for how, decode in
+               (("KV cache", decode_cached), ("recomputed", decode_recomputed))
+               for m in ("GPT", "ODE")}
         flops = {k: decode_flops(models[k.split(",")[0]], P, n, "cache" in k) for k in fns}
         label = f"decode {n} tokens after {P}:"
         t = timed(label, fns, n, flops)
         table.ratio(f"{label} GPT recomputed / KV cache", t["GPT, recomputed"], t["GPT, KV cache"], (">=", 5.0))
         table.ratio(f"{label} ODE recomputed / KV cache", t["ODE, recomputed"], t["ODE, KV cache"], (">=", 3.0))
         # ODE against GPT: a 5% question, so three times the rounds (cached decoding is the quick part)
-        steps = {"eager": None, "compiled step": "compiled"} if cfg.compile else {"eager": None}
-        for mode, compiled in steps.items():
-            fns = {k: decode_cached(models[k], prompt, n, env, bool(compiled))
-                   for k in ("GPT", "ODE")}
+        for mode, compiled in [("eager", False), ("compiled step", True)][:1 + cfg.compile]:
+            fns = {k: decode_cached(models[k], prompt, n, env, compiled) for k in ("GPT", "ODE")}
             label = f"decode {n} tokens after {P}, KV cache, {mode} ({3 * cfg.pairs} rounds):"
-            t = timed(label, fns, n, {k: flops[f"{k}, KV cache"] for k in fns}, compiled=bool(compiled), rounds=3 * cfg.pairs)
+            t = timed(label, fns, n, {k: flops[f"{k}, KV cache"] for k in fns}, compiled=compiled,
+                      rounds=3 * cfg.pairs)
             table.ratio(f"{label} ODE / GPT", t["ODE"], t["GPT"], ("<=", 1.05) if not compiled else None)
 
 
@@ -338,9 +322,8 @@ def status():
 
 
 def high_water(env):
-    """The peak so far: the CUDA allocator's, or the RSS high-water mark. That is VmHWM, not ru_maxrss:
-    on Linux ru_maxrss also holds the mark of the process that started this one (fork copies it, exec
-    keeps it), so a probe started by a big benchmark process would report the benchmark's peak."""
+    """The peak so far: the CUDA allocator's, or the RSS high-water mark VmHWM, not ru_maxrss (which
+    also holds the mark of the process that started this one)."""
     if env.device.type == "cuda":
         return torch.cuda.max_memory_allocated(env.device)
     return status()["VmHWM"]
@@ -380,10 +363,9 @@ def probe_fn(row, name, mcfg, cfg, env):
 
 
 def probe(which, mcfg, cfg, env):
-    """Peak memory of one row of one model, in this (fresh) process, above what the process held before
-    it built the model: the model's, its optimizer's and its activations'. On a CPU, the same row runs
-    first on a tiny model so that most library code is paged in before, and the library pages mapped
-    during the run (file-backed RSS, which never shrinks here) are subtracted from the RSS peak."""
+    """Peak memory of one row of one model in this fresh process, above what it held before it built
+    the model. On a CPU the row runs on a tiny model first (library code paged in), and pages mapped
+    during the run (file-backed RSS) are left out of the RSS peak."""
     row, name = which.split(":")
     tiny = ModelConfig(**{**mcfg.to_dict(), "n_embd": 2 * mcfg.n_head, "ffn_dim": 0, "vocab_size": 64, "block_size": 8, "d_t": 2})
     probe_fn(row, name, tiny, dataclasses.replace(cfg, batch_size=1, prompt_tokens=2, decode_tokens=2), env)()
@@ -440,8 +422,10 @@ def report(table, mcfg, cfg, env):
         tok = quartiles([r["tokens"] / t for t in r["times"]]) if r["tokens"] else [float("nan")] * 3
         achieved = np.median([r["flops"] / t for t in r["times"]])
         mfu = np.median([(r["flops"] / t) / (r["mm"][1] / m) for t, m in zip(r["times"], r["mm"][0])])  # paired
+        nbytes = r["memory"]
+        memory = "" if nbytes is None else "n/a" if nbytes < 0 else f"{nbytes / 2 ** 20:,.0f} MiB"
         print(f"{r['label']:58s}{tok[1]:>12,.0f} [{tok[0]:>7,.0f}, {tok[2]:>7,.0f}]{achieved / 1e9:>9.1f}{100 * mfu:>8.0f}%"
-              f"{fmt_memory(r['memory']):>13s}")
+              f"{memory:>13s}")
     print(f"(dense matmul peak, paired with every repetition: {mm / 1e9:,.1f} GFLOP/s median; peak memory: "
           + ("the CUDA allocator's peak" if env.device.type == "cuda" else "RSS high-water mark (VmHWM, reset) above the RSS before the model was built, library pages left out")
           + ", each model alone in a fresh process, eager)")
@@ -479,12 +463,10 @@ def main(argv):
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; {cfg.pairs} interleaved rounds after "
           f"{cfg.warmup} warm-up")
     table = Table()
-    cache = tempfile.mkdtemp(prefix="bench-inductor-")  # an empty compile cache: compile times from scratch
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # (read when inductor first compiles)
-    try:
+    # an empty compile cache (read when inductor first compiles): compile times from scratch
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-", ignore_cleanup_errors=True) as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         run_rows(mcfg, cfg, env, table)
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
     table.measured_rows = cfg.row_list
     if "memory" in cfg.row_list:
         measure_memory(argv, table)

@@ -8,16 +8,14 @@ plan): the training step against GPT's, bytes moved by collectives, and the plan
     python -m experiments.bench_scale --what=memory                                   # the plan against measured peaks, 2 gloo processes
     python -m experiments.bench_scale --what=comm_plan config/llama1b.py --world=8    # the byte arithmetic for a config
 
-step: train.train_step (forward, backward, clipping, fused AdamW) of a GPT and the DiffEqFormer of the same
-shape, interleaved (A, B, B, A, ...) in one process; the ratio is the median of the per-pair ratios,
-with their interquartile range; AdamW's step alone is timed the same way (its share is a floor: AdamW
-works through (d_t + 1) x the block parameters of GPT). comm: every collective of one training
-iteration counted at the dispatcher (all-reduce 2 x its size, all-gather its output, reduce-scatter
-its input, broadcast its size: what each process sends in a ring, up to (w - 1) / w), for GPT, the ODE
-generating its weights in every forward pass (--no-generate_once) and once per step. memory: train.py
-runs under torchrun on 2 gloo processes; each records the rise of its peak RSS (getrusage ru_maxrss)
-above its RSS before training, with glibc returning every block of 64 KiB or more to the system when
-freed (MALLOC_MMAP_THRESHOLD_=65536), against support/memory.py's memory_plan for the same run in fp32.
+step: train.train_step of a GPT and the DiffEqFormer of the same shape, interleaved (A, B, B, A,
+...) in one process: the median and interquartile range of the per-pair ratios; AdamW's step alone,
+timed the same way, is a floor on its share (it works through (d_t + 1) x GPT's block parameters).
+comm: every collective of one iteration counted at the dispatcher (collective_bytes: what each
+process sends in a ring), for GPT and the ODE generating its weights per forward pass or per step.
+memory: train.py under torchrun on 2 gloo processes, each recording the rise of its peak RSS above
+its RSS before training (glibc returning freed blocks of 64 KiB or more to the system:
+MALLOC_MMAP_THRESHOLD_=65536), against support/memory.py's memory_plan of the same run in fp32.
 """
 import itertools
 import json
@@ -32,6 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+import prepare
+import train
+from model import DiffEqFormer, ModelConfig, evaluations
+from support import common, parallel, plots, resume
+from support.configurator import parse_config, run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
@@ -60,9 +64,7 @@ class ScaleConfig:
 def flat_tensors(x):
     if isinstance(x, torch.Tensor):
         return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in flat_tensors(y)]
-    return []
+    return [t for y in x for t in flat_tensors(y)] if isinstance(x, (list, tuple)) else []
 
 
 def nbytes(x):
@@ -70,7 +72,8 @@ def nbytes(x):
 
 
 def collective_bytes(func, args):
-    """(kind, bytes) of one collective op at the dispatcher, or None for other ops."""
+    """(kind, bytes) of one collective op at the dispatcher, or None for other ops: all-reduce 2 x
+    its size, all-gather its output, reduce-scatter its input, broadcast its size."""
     name = func.name()
     if not name.startswith(("c10d::", "_c10d_functional::")) or "wait" in name or "wrap" in name:
         return None
@@ -115,13 +118,8 @@ def counting_mode():
 
 def setup_run(mcfg, tcfg, env):
     """(step function, model, raw, optimizer) as train.main builds them."""
-    from support import common
-    import train
-    from model import DiffEqFormer
-    from support import parallel
     torch.manual_seed(0)
-    sharded = parallel.sharded(tcfg, env)
-    with torch.device("meta" if sharded else env.device):
+    with torch.device("meta" if parallel.sharded(tcfg, env) else env.device):
         model = DiffEqFormer(mcfg)
     model = parallel.build(model, tcfg, env)
     raw = parallel.unwrap(model)
@@ -138,9 +136,6 @@ def last_wins(argv):
 
 
 def configs(argv, **overrides):
-    import train
-    from support.configurator import parse_config
-    from model import ModelConfig
     mcfg, tcfg, _ = parse_config(last_wins(argv), ModelConfig, train.TrainConfig)
     return (ModelConfig(**{**mcfg.to_dict(), **overrides.get("model", {})}),
             train.TrainConfig(**{**tcfg.__dict__, **overrides.get("train", {})}))
@@ -153,7 +148,6 @@ STEP_SHAPE = ["--n_layer=6", "--n_embd=512", "--n_head=8", "--block_size=512", "
 
 
 def step(cfg, argv):
-    from support import common
     torch.set_num_threads(cfg.threads)
     env = common.setup("cpu", "float32")
     args = STEP_SHAPE + [f"--gradient_accumulation_steps={cfg.accum}"] + argv
@@ -176,8 +170,7 @@ def step(cfg, argv):
 
     for name, (fn, *_) in runs.items():  # warm-up: one step each, AdamW state allocated
         fn(0)
-    times = {"GPT": [], "ODE": []}
-    adam = {"GPT": [], "ODE": []}
+    times, adam = {"GPT": [], "ODE": []}, {"GPT": [], "ODE": []}
     for p in range(cfg.pairs):
         order = ("GPT", "ODE") if p % 2 == 0 else ("ODE", "GPT")
         for name in order:
@@ -207,7 +200,6 @@ COMM_MODELS = (("baseline", dict(model_type="baseline"), {}), ("ODE, weights per
 
 def comm_probe(cfg, argv):
     """Under torchrun: bytes moved by one iteration of each model (after a warm-up iteration)."""
-    from support import common
     torch.set_num_threads(1)
     env = common.setup("cpu", "float32")
     out = {}
@@ -225,14 +217,10 @@ def comm_probe(cfg, argv):
 
 
 def planned_bytes(mcfg, tcfg, world, dtype):
-    """{model: bytes per iteration and process} by the arithmetic of the counts above: FSDP2 all-gathers a
-    unit in its forward and again in its backward, the root (embeddings, head) once per micro-step, and
-    reduce-scatters once per iteration (gradient sync off before the last micro-step); weights generated
-    once per step are all-gathered once (compute dtype) and dL/dW reduce-scattered once (fp32); DDP
-    all-reduces every gradient it holds once."""
-    import train
-    from support import memory, parallel
-    from model import DiffEqFormer, ModelConfig, evaluations
+    """{model: bytes per iteration and process} by the arithmetic of the counts above: FSDP2
+    all-gathers a unit in forward and backward, the root per micro-step, reduce-scatters once per
+    iteration; weights made once per step are all-gathered once, dL/dW and DDP's gradients too."""
+    from support import memory  # (this module's memory() is another)
     m = tcfg.gradient_accumulation_steps // world  # micro-steps per process
     b = dtype.itemsize  # compute; FSDP2 gathers the units in it under its policy, the root in fp32
     out = {}
@@ -257,37 +245,32 @@ def planned_bytes(mcfg, tcfg, world, dtype):
 
 def comm_plan(cfg, argv):
     """The arithmetic of planned_bytes for a training config (bf16 compute, as on GPUs)."""
-    mcfg, tcfg = configs(argv)
-    for parallel in ("ddp", "fsdp"):
-        planned = planned_bytes(mcfg, train_config(tcfg, parallel=parallel), cfg.world, torch.bfloat16)
+    for scheme in ("ddp", "fsdp"):
+        mcfg, tcfg = configs(argv, train=dict(parallel=scheme))
+        planned = planned_bytes(mcfg, tcfg, cfg.world, torch.bfloat16)
         gpt = planned["baseline"]
-        print(f"{parallel.upper()} over {cfg.world} GPUs, {tcfg.gradient_accumulation_steps // cfg.world} micro-steps each: " +
+        print(f"{scheme.upper()} over {cfg.world} GPUs, {tcfg.gradient_accumulation_steps // cfg.world} micro-steps each: " +
               ", ".join(f"{name} {n / 1e9:,.1f} GB ({n / gpt:.2f} x)" for name, n in planned.items()))
-
-
-def train_config(tcfg, **changes):
-    import train
-    return train.TrainConfig(**{**tcfg.__dict__, **changes})
 
 
 def comm(cfg, argv):
     rows = {}
-    for parallel in ("ddp", "fsdp"):
-        args = COMM_SHAPE + [f"--parallel={parallel}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
+    for scheme in ("ddp", "fsdp"):
+        args = COMM_SHAPE + [f"--parallel={scheme}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
         done = torchrun(cfg.world, ["--probe=comm", *last_wins(args)])
-        rows[parallel] = json.loads(done.split("RESULT ", 1)[1].splitlines()[0])
+        rows[scheme] = json.loads(done.split("RESULT ", 1)[1].splitlines()[0])
     mcfg, tcfg = configs(COMM_SHAPE + argv)
     print(f"bytes moved by collectives per iteration and process ({cfg.world} processes, {cfg.accum} micro-step(s) each; "
           f"{mcfg.n_layer} steps, width {mcfg.n_embd}, d_t {mcfg.d_t}, vocabulary {mcfg.vocab_size})")
     print(f"{'':6s}{'model':30s}{'all-reduce':>12s}{'all-gather':>12s}{'reduce-scat.':>13s}{'other':>9s}{'total':>12s}"
           f"{'/ base':>7s}{'planned':>12s}")
-    for parallel, by_model in rows.items():
+    for scheme, by_model in rows.items():
         gpt = sum(by_model["baseline"].values())
-        args = COMM_SHAPE + [f"--parallel={parallel}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
+        args = COMM_SHAPE + [f"--parallel={scheme}", f"--gradient_accumulation_steps={cfg.accum * cfg.world}"] + argv
         planned = planned_bytes(*configs(args), cfg.world, torch.float32)
         for name, kinds in by_model.items():
             other = sum(v for k, v in kinds.items() if k not in ("all-reduce", "all-gather", "reduce-scatter"))
-            print(f"{parallel.upper():6s}{name:30s}{mb(kinds.get('all-reduce', 0)):>12s}{mb(kinds.get('all-gather', 0)):>12s}"
+            print(f"{scheme.upper():6s}{name:30s}{mb(kinds.get('all-reduce', 0)):>12s}{mb(kinds.get('all-gather', 0)):>12s}"
                   f"{mb(kinds.get('reduce-scatter', 0)):>13s}{mb(other):>9s}{mb(sum(kinds.values())):>12s}"
                   f"{sum(kinds.values()) / gpt:7.2f}{mb(planned[name]):>12s}")
     return rows
@@ -311,24 +294,16 @@ MEMORY_SHAPES = {
 }
 
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def memory_probe(cfg, argv):
     """Under torchrun: train.main on argv; prints the rise of this process's peak RSS and the plan."""
-    import train
-    base = rss()
-    from support import plots
-    from support import resume
+    with open("/proc/self/statm") as f:  # the RSS before training
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     resume.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak
     plots.loss_curve = lambda *a, **k: None
     train.main(last_wins(argv))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     mcfg, tcfg = configs(argv)
     with torch.device("meta"):
-        from model import DiffEqFormer
         model = DiffEqFormer(mcfg)
     phase, plan = memory.memory_plan(model, mcfg, tcfg, int(os.environ["WORLD_SIZE"]), torch.float32, "cpu")
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
@@ -338,23 +313,22 @@ def memory_probe(cfg, argv):
 def memory(cfg, argv):
     with tempfile.TemporaryDirectory() as tmp:
         data = ["--dataset=shakespeare", f"--data_root={tmp}/data"]
-        import prepare
         prepare.prepare(dataset="shakespeare", tokenizer="byte", input_file="", val_file="", data_root=f"{tmp}/data")
         print(f"{'model':16s}{'shape':6s}{'flavour':8s}{'parallel':9s}{'plan MiB':>10s}{'peak MiB (ranks)':>20s}{'plan/peak':>11s}  peak phase")
         models = {"once": [], "per_micro_step": ["--no-generate_once"], "gpt": ["--model_type=baseline"]}
-        for model, shape, flavor, parallel in itertools.product(cfg.models.split(","), MEMORY_SHAPES, ("gpt", "llama"), ("ddp", "fsdp")):
+        for model, shape, flavor, scheme in itertools.product(cfg.models.split(","), MEMORY_SHAPES, ("gpt", "llama"), ("ddp", "fsdp")):
             if cfg.shapes and shape not in cfg.shapes.split(","):
                 continue
-            args = [*MEMORY_SHAPES[shape], *models[model], *data, f"--flavor={flavor}", f"--parallel={parallel}", "--max_iters=3",
+            args = [*MEMORY_SHAPES[shape], *models[model], *data, f"--flavor={flavor}", f"--parallel={scheme}", "--max_iters=3",
                     "--eval_interval=100", "--eval_iters=2", "--log_interval=100", "--dropout=0",
-                    f"--gradient_accumulation_steps={2 * cfg.world}", f"--out_dir={tmp}/out-{model}-{shape}-{flavor}-{parallel}",
+                    f"--gradient_accumulation_steps={2 * cfg.world}", f"--out_dir={tmp}/out-{model}-{shape}-{flavor}-{scheme}",
                     "--device=cpu", *argv]
             results_dir = tempfile.mkdtemp(dir=tmp)
             torchrun(cfg.world, ["--probe=memory", *args], env=dict(MALLOC_MMAP_THRESHOLD_="65536", RESULT_DIR=results_dir))
             results = [json.load(open(os.path.join(results_dir, name))) for name in os.listdir(results_dir)]
             peaks = [r["peak"] / 2 ** 20 for r in sorted(results, key=lambda r: r["rank"])]
             plan = results[0]["plan"] / 2 ** 20
-            print(f"{model:16s}{shape:6s}{flavor:8s}{parallel:9s}{plan:10,.0f}{' / '.join(f'{p:,.0f}' for p in peaks):>20s}"
+            print(f"{model:16s}{shape:6s}{flavor:8s}{scheme:9s}{plan:10,.0f}{' / '.join(f'{p:,.0f}' for p in peaks):>20s}"
                   f"{plan / max(peaks):11.2f}  {results[0]['phase']}", flush=True)
 
 
@@ -375,7 +349,6 @@ WHAT = {"step": step, "comm": comm, "comm_plan": comm_plan, "memory": memory}  #
 def main(argv):
     own = [a for a in argv if a.lstrip("-").split("=")[0] in ScaleConfig.__dataclass_fields__]
     rest = [a for a in argv if a not in own]
-    from support.configurator import parse_config
     cfg, _ = parse_config(own, ScaleConfig)
     if cfg.probe == "comm":
         return comm_probe(cfg, rest)
@@ -385,5 +358,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from support.configurator import run_main
     run_main(main)

@@ -6,26 +6,22 @@ Downstream evaluation with EleutherAI's lm-evaluation-harness (the paper's Table
     python -m experiments.eval --tasks shakespeare --include_path=experiments/tasks --compare=out-gpt/ckpt.pt  # a local task, two models
     python -m experiments.eval --tasks lambada_openai --init_from=out-finetune/adapters.pt --limit=100
 
-lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported when this module runs. The
-checkpoint becomes an lm-eval language model (`CheckpointLM`): it loads with checkpoints.load_model (every kind:
-DiffEqFormer, shared, GPT, Llama, materialised, fine-tuned, merged, LoRA adapters on their base) and reads
-text with its own tokenizer (bytes or tiktoken). `--steps` and `--solver` change an ODE's computation.
+lm-eval (`pip install -r requirements-eval.txt`) is an optional extra, imported as this module runs.
+Any checkpoint that checkpoints.load_model loads becomes an lm-eval language model (`CheckpointLM`)
+reading text with its own tokenizer; `--steps` and `--solver` change an ODE's computation.
 
-* loglikelihood: lm-eval's TemplateLM splits each (context, continuation) into tokens; the last
-  block_size + 1 tokens of both, one forward pass, the continuation's log-probabilities summed, and
-  whether each continuation token is the argmax. Requests go in batches sorted by length, longest first,
-  padded on the right (causal attention: padding never reaches the positions that are read).
-* loglikelihood_rolling (perplexity tasks): lm-eval's windows of block_size tokens, each token predicted
-  once, the last window with a full context.
-* generate_until: greedy decoding with sample.generate (what sample.py runs), the context cut on the left
-  to block_size tokens; max_gen_toks tokens are generated, then cut at the first `until` string.
+* loglikelihood: the last block_size + 1 tokens of context and continuation, one forward pass, the
+  continuation's log-probabilities summed, and whether each of its tokens is the argmax; in batches
+  sorted by length, padded on the right (causal attention: padding never reaches what is read).
+* loglikelihood_rolling (perplexity tasks): lm-eval's windows of block_size tokens, each token once.
+* generate_until: greedy decoding with sample.generate, the context cut on the left to block_size
+  tokens; max_gen_toks tokens are generated, then cut at the first `until` string.
 
-A text with no context starts after the end-of-text token where the tokenizer has one (tiktoken's
-<|endoftext|>, as lm-eval does); the byte tokenizer has none, so there the first byte is the context and
-is not scored. Writes into --out: results.json (lm-eval's results, with the models and this config),
-results.md (a table: value +- standard error, one column per checkpoint) and, with --compare, results.png.
-The paper's tasks download from Hugging Face (a network is needed once); local tasks are YAML files in
---include_path (see experiments/tasks/).
+A text with no context starts after the tokenizer's end-of-text token (tiktoken's, as lm-eval
+does); bytes have none: their first byte is the context and is not scored. Writes into --out:
+results.json (lm-eval's results, with the models and this config), results.md (value +- standard
+error, one column per checkpoint) and, with --compare, results.png. The paper's tasks download from
+Hugging Face (once); local tasks are YAML files in --include_path (see experiments/tasks/).
 """
 import functools
 import json
@@ -154,9 +150,8 @@ class CheckpointLM:
                             f"context, or leave the task out") from None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
-        """(log-likelihood, is_greedy) of each (strings, context tokens, continuation tokens), as TemplateLM
-        encodes them. An empty context comes as [eot]; with no eot (bytes) as [None], and then the
-        continuation's first token is its context."""
+        """(log-likelihood, is_greedy) of each (strings, context, continuation); an empty context is
+        [eot], or [None] with no eot (bytes): the continuation's first token is its context."""
         seqs = []
         for i, (_, context, continuation) in enumerate(requests):
             tokens = continuation if context == [None] else context + continuation
@@ -212,9 +207,7 @@ class CheckpointLM:
 
 @functools.cache
 def lm_class():
-    """CheckpointLM with lm-eval's TemplateLM as a base, registered in lm-eval's model registry as
-    "diffeqformer" on the first call: simple_evaluate(model="diffeqformer", model_args=...) and
-    `python -m experiments.harness --model diffeqformer` build it from a checkpoint."""
+    """CheckpointLM on lm-eval's TemplateLM, registered as "diffeqformer" on the first call."""
     cls = type("CheckpointLM", (CheckpointLM, harness().api.model.TemplateLM), {})
     return harness().api.registry.register_model(LM_NAME)(cls)
 
@@ -284,8 +277,7 @@ def unknown_task(name, include_path):
 
 
 def evaluate(lm, tasks, manager, cfg):
-    """lm-eval's simple_evaluate of lm on the tasks: its results dict. A task whose data cannot be
-    downloaded (no network) is one UserError."""
+    """lm-eval's simple_evaluate of lm on the tasks (its results); no network: one UserError."""
     try:
         return harness().simple_evaluate(
             model=lm, tasks=tasks, num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,

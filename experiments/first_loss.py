@@ -4,20 +4,18 @@ Why a DiffEqFormer at GPT-2 small's shape starts at a loss of 13.7, not ln V = 1
 
     python -m experiments.first_loss      # GPT-2 small's shape, 3 draws of each, ~5 min on 2 cores
 
-At init="reference" every generated weight W(t) = A_W z(t) + B_W starts near zero (B_W = 0, A_W
-and the time MLPs at std 0.02: entries of ~4e-4), so the ODE barely moves: X(1) ~ X(0) = wte[i] +
-wpe[p].
-The tied head scores token j by <LN(X(1)), wte[j]>, and the input token i scores itself highest:
-with wte ~ N(0, s_e^2), an ODE's wpe ~ N(0, s_p^2) (init_weights: s_e = 0.02, s_p = 0.01) and
-LayerNorm's eps, its logit is about C s_e^2 / sqrt(s_e^2 + s_p^2 + eps) = 0.0177 C, every other
+At init="reference" every generated weight W(t) = A_W z(t) + B_W starts near zero (B_W = 0, A_W and
+the time MLPs at std 0.02: entries of ~4e-4), so the ODE barely moves: X(1) ~ X(0) = wte[i] +
+wpe[p]. The tied head scores token j by <LN(X(1)), wte[j]>, and the input token i scores itself
+highest: with wte ~ N(0, s_e^2), an ODE's wpe ~ N(0, s_p^2) (init_weights: s_e = 0.02, s_p = 0.01)
+and LayerNorm's eps, its logit is about C s_e^2 / sqrt(s_e^2 + s_p^2 + eps) = 0.0177 C, every other
 token's about N(0, C s_e^2). Where the next token is another one, the loss is then about
 log(exp(logit) + (V - 1) exp(C s_e^2 / 2)). Dropout p in training mode (the GPU check's) divides
 X(0)'s variance by 1 - p, and the logit by sqrt(1 - p) (eps aside).
 
-Each model is built as train.py builds it (config/owt_gpt_small.py: width 768, 12 layers or steps,
-vocabulary 50304), and one forward pass of 1024 random tokens gives the first loss in eval mode and
-in training mode (dropout 0.1), the mean logit of each position's own input token and its
-probability, and the cosine of X(1) (the input of ln_f) with X(0).
+Each model is built as train.py builds it (config/owt_gpt_small.py), and one forward pass of 1024
+random tokens gives the first loss in eval and training mode (dropout 0.1), the mean logit of each
+position's own input token and its probability, and the cosine of X(1) (ln_f's input) with X(0).
 """
 import math
 import statistics
@@ -38,21 +36,18 @@ STD_WTE, STD_WPE = 0.02, 0.01  # init_weights: the embeddings' std, an ODE's pos
 
 
 def own_logit(C, dropout=0.0):
-    """The input token's own logit where X(1) = X(0):
-    C s_e^2 / sqrt((s_e^2 + s_p^2) / (1 - p) + eps)."""
+    """The input token's logit if X(1) = X(0): C s_e^2 / sqrt((s_e^2 + s_p^2) / (1 - p) + eps)."""
     return C * STD_WTE ** 2 / math.sqrt((STD_WTE ** 2 + STD_WPE ** 2) / (1 - dropout) + EPS)
 
 
 def first_loss(C, V, dropout=0.0):
-    """The loss of a next token that is not the input one, where X(1) = X(0): the input token's
-    logit against V - 1 others of variance ~C s_e^2."""
+    """The loss of another next token if X(1) = X(0): V - 1 logits of variance ~C s_e^2."""
     return math.log(math.exp(own_logit(C, dropout)) + (V - 1) * math.exp(C * STD_WTE ** 2 / 2))
 
 
 @torch.no_grad()
 def measure(mcfg, seed, tokens):
-    """(eval loss, training-mode loss, mean own logit, mean probability of the own token,
-    mean cos(X(1), X(0))) of one draw."""
+    """(eval loss, training-mode loss, mean own logit, its probability, mean cos(X(1), X(0)))."""
     torch.manual_seed(seed)
     model = DiffEqFormer(mcfg).eval()
     x, y = tokens[:, :-1], tokens[:, 1:]

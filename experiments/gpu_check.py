@@ -1,29 +1,22 @@
 """
 The GPU check: one script that shows, within 8 minutes on one H100 or H200, that the code paths only a GPU
-takes run there, and measures them. On a machine without CUDA it runs a tiny version of itself in about a
-minute (CI does), so that it keeps working until a GPU is lent.
+takes run there, and measures them. Without CUDA it runs a tiny version of itself in a minute (CI).
 
     python -m experiments.gpu_check --out=out-gpu-check
 
-1. tests/test_cuda.py, in a pytest process of its own: CUDA against the CPU for every model in float32
-   and bf16, the SDPA kernels of training and of decoding, the KV cache against recomputation, compiled
-   decoding's CUDA graphs against eager decoding, float16 with GradScaler, --compile, the memory plan
-   against the allocator, torchrun and resumption.
+1. tests/test_cuda.py, in a pytest process of its own (the CUDA paths against the CPU's).
 2. Greedy decoding with the KV cache (sample.generate) at GPT-2 small's shape (config/owt_gpt_small.py),
    batch 1 and 16: GPT and ODE, eager and compiled as sample.py --compile runs it, interleaved.
 3. GPT against DiffEqFormer at that shape (one micro-step of 16 x 1024 tokens per optimizer step),
-   train.py's own training step (train.train_step: forward, backward, clipping, fused AdamW; the ODE's
-   weights generated once per optimizer step), compiled, then eager: interleaved rounds (GPT, ODE,
-   matmul, then matmul, ODE, GPT, ...) as experiments/bench.py does; tokens/s as median and
-   interquartile range, MFU as train.py counts it, the allocator's peak beside the memory plan, the
-   first call (compiling) and graph breaks, the ODE/GPT ratio of paired rounds.
+   train.train_step, compiled, then eager, in interleaved rounds as experiments/bench.py runs them:
+   tokens/s, MFU as train.py counts it, the allocator's peak beside the memory plan, the first call
+   (compiling) and graph breaks, the ODE/GPT ratio of paired rounds.
 4. Where the compiled steps' time goes: phase by phase and kernel by kind, GPT beside the ODE.
 
-Every part looks at the clock first: one that the budget would not cover is skipped with a
-"skipped: time" row. One table is printed and written to OUT/gpu_check.txt, its numbers to
-OUT/gpu_check.json (before the first part, so that a full disk is one line before any work, and
-after every part, so that a killed run leaves what it measured), the tests' log and junit XML beside
-them.
+A part that the budget would not cover is skipped with a "skipped: time" row. One table is printed
+and written to OUT/gpu_check.txt, its numbers to OUT/gpu_check.json (before the first part: a full
+disk is one line before any work; and after every part: a killed run leaves what it measured), the
+tests' log and junit XML beside them.
 """
 import dataclasses
 import gc
@@ -36,7 +29,7 @@ import sys
 import time
 import traceback
 import xml.etree.ElementTree as ET
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +39,7 @@ from support import common, memory, parallel
 from support import runlog  # the peak and FLOP count of train.py's MFU
 import train
 from support.configurator import make_dir, parse_config, run_main, written
-from experiments.bench import interleaved, matmul, quartiles
+from experiments.bench import build, interleaved, matmul, quartiles
 from model import DiffEqFormer, ModelConfig
 from sample import generate
 
@@ -96,8 +89,7 @@ class Clock:
 
 
 def record_failure(part, error, report):
-    """A part that raised (an out-of-memory, a compiler's error): its error in the table, its traceback on
-    stderr, and the check goes on with the other parts."""
+    """A part that raised: its error in the table, its traceback on stderr; the check goes on."""
     traceback.print_exception(error)
     first_line = (str(error).strip().splitlines() or [""])[0]
     report["failed"].append(dict(part=part, error=f"{type(error).__name__}: {first_line}"[:300]))
@@ -148,8 +140,7 @@ def read_junit(path):
 
 
 def summarise_tests(cases):
-    """{test function: (outcome counts, seconds, {property: merged values}, the first failure)}: the
-    parametrised cases of a test in one line."""
+    """{test function: (outcome counts, seconds, {property: merged values}, the first failure)}."""
     out = defaultdict(lambda: [defaultdict(int), 0.0, defaultdict(list), None])
     for case in cases:
         entry = out[case["name"].split("[")[0]]
@@ -209,8 +200,7 @@ def training_step(name, mcfg, cfg, env):
     optimizer = train.configure_optimizer(parallel.unwrap(model), cfg, env.device)
     batches, iteration = Batches(mcfg, cfg, env.device), itertools.count()
 
-    def step():
-        return train.train_step(model, optimizer, batches, next(iteration), cfg, env)
+    step = lambda: train.train_step(model, optimizer, batches, next(iteration), cfg, env)
     torch._dynamo.utils.counters.clear()
     sync()
     t0 = time.perf_counter()
@@ -269,11 +259,7 @@ def decode_rows(mcfg, env, sizes, clock, report):
     four interleaved in every round, so that compiled against eager is a paired ratio too; the first
     call's time (compiling) and whether the compiled tokens are the eager ones."""
     n, P, sync = sizes["decode"], sizes["prompt"], synchronizer(env)
-    models = {}
-    for name, model_type in MODELS.items():  # random weights, as a training run starts
-        torch.manual_seed(0)
-        with torch.device(env.device):
-            models[name] = DiffEqFormer(ModelConfig(**{**mcfg.to_dict(), "model_type": model_type})).eval()
+    models = {name: build(name, mcfg, env).eval() for name in MODELS}  # random weights, seed 0
 
     def decoding(model, prompt, mode):
         sampling = dict(temperature=0.8, top_k=200) if mode.endswith("sampled") else dict(temperature=0)
@@ -406,9 +392,7 @@ def table(report):
                  f"{report['budget_s']:.0f} s budget")
     tests = report.get("tests", {})
     if "cases" in tests:
-        counts = defaultdict(int)
-        for case in tests["cases"]:
-            counts[case["outcome"]] += 1
+        counts = Counter(case["outcome"] for case in tests["cases"])
         reasons = dict.fromkeys(c["message"] for c in tests["cases"] if c["outcome"] == "skipped")
         lines.append(f"\ntests/test_cuda.py, {tests['seconds']:.0f} s: "
                      + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
@@ -458,8 +442,7 @@ def table(report):
 
 
 def profile_table(profile):
-    """The profile's phases and kernel kinds, ms per step, GPT beside the ODE and the ODE's extra time as
-    a share of GPT's step."""
+    """The profile's phases and kernel kinds, ms per step: GPT, the ODE, its extra % of GPT's."""
     if len(profile) < 2:
         return []
     gpt, ode = profile["GPT"], profile["ODE"]

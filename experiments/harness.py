@@ -7,10 +7,9 @@ lm-eval's own command line, with this project's checkpoints as its model "diffeq
         --model_args init_from=out/ckpt.pt,steps=12,solver=rk4 --tasks lambada_openai
 
 Every flag of lm-eval's `lm_eval` command works (--num_fewshot, --limit, --output_path, ...): this
-registers experiments/eval.py's adapter in lm-eval's model registry (eval.lm_class), checks
---model_args (eval.MODEL_ARGS), then runs lm-eval's command with the same arguments. The bare
-`lm_eval --model diffeqformer` cannot: lm-eval 0.4.13 finds only the models it imports itself
-and reads no plugin entry points (docs/evaluation.md).
+registers experiments/eval.py's adapter (eval.lm_class), checks --model_args, then runs lm-eval's
+command. The bare `lm_eval --model diffeqformer` cannot: lm-eval 0.4.13 finds only the models it
+imports itself and reads no plugin entry points (docs/evaluation.md).
 """
 import sys
 

@@ -5,11 +5,9 @@ gives them (output_hidden_states=True, docs/export.md), for Euler and RK4 at the
     python -m experiments.logit_lens --init_from=out-export       # 6 steps, euler and rk4
     python -m experiments.logit_lens --init_from=out-export --steps=12 --solvers=euler,midpoint,rk4
 
-The head, after the final norm, applied to X(t_k) gives a next-token distribution at each t_k (the
-last hidden state has had the norm: it gives the logits). Shown: the probability of `--answer`
-after `--prompt`, and the probability of the token that follows, averaged over every position of
-`--windows` windows of the end of tiny Shakespeare (the validation split's text), against t_k = k/N.
-Into --out: logit_lens.png and logit_lens.json.
+The head, after the final norm, applied to X(t_k) gives a next-token distribution at each t_k.
+Shown against t_k = k/N: the probability of `--answer` after `--prompt`, and that of the next token
+averaged over `--windows` windows of the end of tiny Shakespeare. Into --out: logit_lens.png, .json.
 """
 import json
 import os
@@ -49,8 +47,7 @@ class LensConfig:
 
 
 def lens(model, hidden_states):
-    """Next-token log-probabilities read from every state (B, T, vocab) each: the head after the
-    final norm, which the last state has had already (as GPT-2's and Llama's)."""
+    """Next-token log-probabilities of every state: the head after ln_f (the last has had it)."""
     m = model.model  # model.py's DiffEqFormer
     head = (m.wte if m.lm_head is None else m.lm_head).weight
     normed = [m.ln_f(h) for h in hidden_states[:-1]] + [hidden_states[-1]]

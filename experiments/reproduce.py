@@ -8,29 +8,20 @@ Reproduce the paper's experiments at laptop scale: every number and figure of re
 Each experiment is a run of this repository's own tools (train.py, finetune.py, experiments/depth.py,
 analyze.py) in a subprocess, two at a time with one thread each, so a run here is what a user's command does.
 A finished job leaves a `done` file with its command in its folder under --runs and is skipped when
-the script is run again with the same command for it. Jobs that depend on a learning-rate sweep (a second seed, the ablations, the pretraining for
-fine-tuning) are built when the sweep has finished. At the end the results are summarised into
-results/results.json, the figures in results/figures/, and the tables of results/README.md (between
-its `<!-- results:NAME -->` markers; the prose around them is written by hand).
+the script is run again with the same command for it; jobs that need a learning-rate sweep's
+results are built when it has finished. At the end: results/results.json, results/figures/, and
+the tables of results/README.md (between its `<!-- results:NAME -->` markers).
 
 The experiments (Tong et al., ICLR 2025; results/README.md says what each one shows):
-1. Table 1: GPT, weight sharing and DiffEqFormer at the same width and depth (6 layers / steps), and
-   the Llama-flavour pair, each with its own learning-rate sweep; a second seed at each best rate.
+1. Table 1: GPT, weight sharing, DiffEqFormer and the Llama-flavour pair at 6 layers / steps, each
+   with its own learning-rate sweep (plan); a second seed at each best rate.
 2. Ablations of DiffEqFormer: the authors' init vs the GPT-like one, beta2, d_t (App. D.1).
-3. Fig. 5: an 18-step DiffEqFormer and a 24-layer GPT pretrained on tiny Shakespeare, fine-tuned on
-   WikiText-2 with LoRA and fully, the ODE at 9, 12, 18 and 24 steps.
-4. Adaptive compute: validation loss against step count and solver, for the authors' training and
-   the any-depth training (config/anydepth.py).
+3. Fig. 5: an 18-step DiffEqFormer and a 24-layer GPT, fine-tuned on WikiText-2 (LoRA and full).
+4. Adaptive compute: validation loss against step count and solver, authors' and any-depth training.
 5. The analysis figures (Fig. 2, Fig. 3): spectra of the ODE and the GPT, clustering, Lyapunov.
-6. The budget curve: GPT, weight sharing and DiffEqFormer at their best rates of 1., each trained
-   with a schedule as long as its budget (500 to 4000 iterations), two seeds, on tiny Shakespeare
-   and WikiText-2's test split together; each rate halved and doubled at the longest budget, and
-   a rate found better there run on the second seed too (planned once the recheck has finished).
-   Then two more seeds for GPT and DiffEqFormer where their gap is within the seed spread: 1000 to
-   4000 iterations, and at 4000 at a better rate too (16 jobs: 1000 iterations take 5-10 min, 2000
-   17-23, 4000 19-22 on one core with two jobs side by side: 5.3 h of one core).
-   Each of its jobs is recorded in results.json as it finishes, and the page's section 6 rewritten:
-   a run spread over sessions resumes from the committed json, even without the run folders.
+6. The budget curve (budget_plan): GPT, weight sharing and DiffEqFormer at their rates of 1., each
+   schedule as long as its budget, on tiny Shakespeare and WikiText-2's test split, recorded in
+   results.json job by job (a run spread over sessions resumes from it, without the run folders).
 --only=paper runs 1-5, --only=budget runs 6 (at the rates that results/results.json holds).
 """
 import json
@@ -194,18 +185,16 @@ def plan(cfg):
 
 
 def finished(folder, argv):
-    """Whether the job in `folder` ran to the end with this very command (a changed best learning rate
-    reruns it)."""
+    """Whether the job in `folder` ran to the end with this very command (a new best rate: no)."""
     path = os.path.join(folder, "done")
     return os.path.exists(path) and json.load(open(path))["argv"] == argv
 
 
 def run(jobs, workers, results_of, runs, ledger=None):
-    """Run the jobs, `workers` at a time with one thread each, each in its folder runs/<name>, a job once
-    everything in its `after` is done; a job that already finished with the same command is skipped,
-    as is one that `ledger` (a Ledger) holds with the same command; a finished job is recorded
-    in it. A job that did not finish starts over. Ctrl-C stops the jobs under way too.
-    The ready jobs are looked at again only when a job ends. Returns the failed jobs' names."""
+    """Run the jobs, `workers` at a time with one thread each, each in runs/<name> once everything
+    in its `after` is done; a job finished with the same command, or that `ledger` holds with it, is
+    skipped, a finished one recorded there; one that did not finish starts over. Ctrl-C stops the
+    jobs under way too. Returns the failed jobs' names."""
     running = {}  # name: (folder, argv, process, log, start time)
     bar = tqdm(total=len(jobs), desc="jobs", dynamic_ncols=True)
     try:
@@ -223,8 +212,7 @@ def run(jobs, workers, results_of, runs, ledger=None):
 
 
 def schedule(jobs, workers, results_of, runs, ledger, running, bar):
-    """run()'s loop; `running` holds the jobs under way, for run() to stop; `bar` counts the
-    jobs that ended."""
+    """run()'s loop; `running`: the jobs under way, for run() to stop; `bar` counts the ended."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pending = {job.name: job for job in jobs}
     done, failed = set(), set()
@@ -245,11 +233,9 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
         for job in ready:
             argv = job.argv(results) if callable(job.argv) else job.argv
             folder = os.path.join(runs, job.name)
-            if ledger and ledger.has(job.name, argv):  # recorded: no folder needed
-                end(job.name, True)
-                skipped = True
-            elif finished(folder, argv):
-                if ledger and ledger.keeps(job.name):  # finished, but killed before it was recorded
+            recorded = ledger and ledger.has(job.name, argv)  # recorded: no folder needed
+            if recorded or finished(folder, argv):
+                if not recorded and ledger and ledger.keeps(job.name):  # killed before its record
                     seconds = json.load(open(os.path.join(folder, "done")))["seconds"]
                     ledger.record(job, folder, argv, seconds)
                 end(job.name, True)
@@ -257,12 +243,8 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
             elif len(running) < workers:
                 del pending[job.name]
                 os.makedirs(folder, exist_ok=True)
-                for name in ("done", *RUN_FILES):  # an earlier attempt's: the job starts over
-                    path = os.path.join(folder, name)  # (train.py refuses a folder holding a run)
-                    if os.path.isdir(path):
-                        shutil.rmtree(path)
-                    elif os.path.exists(path):
-                        os.remove(path)
+                # an earlier attempt's files go: train.py refuses a folder that holds a run
+                runlog.start_over(folder, ("done", *RUN_FILES))
                 if job.prepare:
                     job.prepare()
                 log = open(os.path.join(folder, "stdout.log"), "w")
@@ -299,12 +281,9 @@ def schedule(jobs, workers, results_of, runs, ledger, running, bar):
 # -- the summary: results.json, figures, the tables of results/README.md --------------------------------
 
 def results_of(runs):
-    """{job name: final validation loss} of the finished training and fine-tuning jobs, for the jobs that
-    depend on them (the best learning rate of a sweep)."""
-    def losses(done):
-        return {name: final_val_loss(os.path.join(runs, name)) for name in done
-                if os.path.exists(os.path.join(runs, name, "log.jsonl"))}
-    return losses
+    """{job name: final validation loss} of the finished jobs, for jobs that depend on them."""
+    return lambda done: {name: final_val_loss(os.path.join(runs, name)) for name in done
+                         if os.path.exists(os.path.join(runs, name, "log.jsonl"))}
 
 
 def num_params(run_dir):
@@ -312,8 +291,7 @@ def num_params(run_dir):
 
 
 def mean_se(values):
-    """The mean of a few seeds' values and its standard error: their standard deviation (n - 1)
-    over sqrt(n), which for two seeds is half their range."""
+    """The mean of a few seeds' values and its standard error (2 seeds: half their range)."""
     values = list(values)
     return float(np.mean(values)), float(np.std(values, ddof=1) / np.sqrt(len(values)))
 
@@ -393,9 +371,8 @@ def fill_markers(text, tables):
 
 def curve(run_dir, smooth=0.9):
     """(iterations, training loss smoothed by an exponential moving average) from a run's log."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl"))]
     its, values, ema = [], [], None
-    for row in rows:
+    for row in map(json.loads, open(os.path.join(run_dir, "log.jsonl"))):
         if "loss" in row:
             ema = row["loss"] if ema is None else smooth * ema + (1 - smooth) * row["loss"]
             its.append(row["iter"])
@@ -404,9 +381,7 @@ def curve(run_dir, smooth=0.9):
 
 
 def figures(r, runs, out):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from support.plots import plt  # the Agg backend
     os.makedirs(out, exist_ok=True)
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -492,12 +467,11 @@ def budget_name(model, budget, seed, factor=1.0, first=SEEDS[0]):
 
 
 def budget_plan(cfg, rates, better=None):
-    """The budget jobs: every model and seed at each budget, the shortest budgets first (a partial
-    run is a complete curve over fewer budgets), then the rate recheck at the longest, then the
-    second seed at each rate that the recheck found better, {model: factor} in `better`. Then, in
-    stages of their own, EXTRA_SEEDS for GPT and DiffEqFormer at every budget but the shortest
-    (where their gap is within the seed spread; at the shortest it is far outside), shortest
-    first, and at the longest at their better rate too."""
+    """The budget jobs: every model and seed at each budget, the shortest first (a partial run is a
+    curve over fewer budgets), then the rate recheck at the longest, then the second seed at each
+    rate the recheck found better ({model: factor} `better`). Then, in stages of their own,
+    EXTRA_SEEDS for GPT and DiffEqFormer at every budget but the shortest (where their gap is far
+    outside the seed spread), and at the longest at their better rate."""
     budgets = QUICK_BUDGETS if cfg.quick else BUDGETS
     evals = ["--eval_iters=2"] if cfg.quick else []
 
@@ -514,10 +488,8 @@ def budget_plan(cfg, rates, better=None):
     jobs = [job(m, b, seed, 1.0, 1 + i)
             for i, b in enumerate(budgets) for seed in SEEDS for m in BUDGET_MODELS]
     longest, last = budgets[-1], 1 + len(budgets)
-    jobs += [job(m, longest, SEEDS[0], x, last)
-             for m in BUDGET_MODELS for x in RECHECK]
-    jobs += [job(m, longest, SEEDS[1], x, last + 1)
-             for m, x in (better or {}).items()]
+    jobs += [job(m, longest, SEEDS[0], x, last) for m in BUDGET_MODELS for x in RECHECK]
+    jobs += [job(m, longest, SEEDS[1], x, last + 1) for m, x in (better or {}).items()]
     more = {b: last + 2 + i for i, b in enumerate(budgets[1:])}  # after the jobs above, unchanged
     jobs += [job(m, b, seed, 1.0, stage)
              for b, stage in more.items() for seed in EXTRA_SEEDS for m in EXTRA_MODELS]
@@ -527,8 +499,7 @@ def budget_plan(cfg, rates, better=None):
 
 
 def budget_seeds(jobs):
-    """{model: {budget: [seeds]}} of the jobs at the sweep's rate: the seeds each model has at each
-    budget, for the json (whose keys are strings: the budget is one too)."""
+    """{model: {budget (a string, for the json): [seeds]}} of the jobs at the sweep's rate."""
     seeds = {}
     for job in jobs:
         model, budget = job.meta["model"], str(job.meta["budget"])
@@ -556,9 +527,8 @@ def budget_row(job, folder, argv, seconds):
 
 
 class Ledger:
-    """The budget jobs' record in results.json ["budget"]["runs"], written as each job finishes, so
-    that a run spread over sessions resumes from the committed json: a job recorded with the same
-    command is skipped even without its folder. After each record, `render(r)` redraws the page."""
+    """The budget jobs' record in results.json ["budget"]["runs"], written as each job finishes
+    (skipped then even without its folder); `render(r)` redraws the page."""
 
     def __init__(self, path, plan, info, render=lambda r: None):
         self.path, self.render = path, render
@@ -598,8 +568,7 @@ def seeds_at(b, model, budget):
 
 
 def seed_runs(b, model, budget, factor=1.0):
-    """{seed: row} of the finished runs of `model` at `budget` and the rate times `factor`, in seed
-    order, out of the seeds it has there."""
+    """{seed: row} of the finished runs of `model` at `budget` and the rate times `factor`."""
     names = {s: budget_name(model, budget, s, factor, b["seeds"][0]) for s in seeds_at(b, model, budget)}
     return {s: b["runs"][n] for s, n in names.items() if n in b["runs"]}
 
@@ -615,30 +584,23 @@ def paired(b, model, reference, budget):
 
 
 def budget_points(b):
-    """{model: {budget: {seed: row}}} of the finished runs at the sweep's rate, at the budgets where
-    MIN_SEEDS or more of the model's seeds have finished."""
-    points = {}
-    for m in b["models"]:
-        runs = {budget: seed_runs(b, m, budget) for budget in b["budgets"]}
-        points[m] = {budget: rows for budget, rows in runs.items() if len(rows) >= MIN_SEEDS}
-    return points
+    """{model: {budget: {seed: row}}} at the sweep's rate, where MIN_SEEDS seeds finished."""
+    runs = {m: {budget: seed_runs(b, m, budget) for budget in b["budgets"]} for m in b["models"]}
+    return {m: {budget: rows for budget, rows in by_budget.items() if len(rows) >= MIN_SEEDS}
+            for m, by_budget in runs.items()}
 
 
 def budget_recheck(b):
-    """{model: {factor: val loss, None while it runs}} of the recheck at the longest budget on the
-    first seed (1: the sweep's rate)."""
+    """{model: {factor: val loss, None while it runs}} of the recheck (1: the sweep's rate)."""
     longest, first = b["budgets"][-1], b["seeds"][0]
-    recheck = {}
-    for m in b["models"]:
-        names = {x: budget_name(m, longest, first, x, first) for x in [1.0, *b["recheck"]]}
-        recheck[m] = {x: b["runs"][n]["val_loss"] if n in b["runs"] else None
-                      for x, n in sorted(names.items())}
-    return recheck
+    names = {m: {x: budget_name(m, longest, first, x, first) for x in sorted({1.0, *b["recheck"]})}
+             for m in b["models"]}
+    return {m: {x: b["runs"][n]["val_loss"] if n in b["runs"] else None for x, n in by_x.items()}
+            for m, by_x in names.items()}
 
 
 def per_seed(cells, planned):
-    """The finished seeds' values in seed order, "a / b", and "(2 of 4 seeds)" while some of the
-    `planned` seeds have still to run."""
+    """The finished seeds' values, "a / b", and "(2 of 4 seeds)" while `planned` ones still run."""
     pending = f" ({len(cells)} of {planned} seeds)" if len(cells) < planned else ""
     return " / ".join(cells) + pending
 
@@ -695,8 +657,7 @@ def versus(losses, reference, planned, label, label_reference):
 
 
 def budget_versus(b, points, reference="gpt"):
-    """Each other model's validation loss minus GPT's at each budget: where the curves cross, and
-    how surely."""
+    """Each other model's validation loss minus GPT's at each budget: where the curves cross."""
     others = sorted((m for m in b["models"] if m != reference), key=lambda m: m != "diffeq")
     label = lambda m: b["models"][m]["label"]
     lines = ["| iterations | " + " | ".join(f"{label(m)} - {label(reference)}, per seed | "
@@ -711,8 +672,7 @@ def budget_versus(b, points, reference="gpt"):
 
 
 def recheck_best(b):
-    """{model: factor} of the best rate at the longest budget (seed 1; a tie keeps the smaller), for
-    each model whose rate recheck has finished."""
+    """{model: factor} of each finished recheck's best rate (seed 1; a tie: the smaller)."""
     return {m: min(losses, key=losses.get) for m, losses in budget_recheck(b).items()
             if None not in losses.values()}
 
@@ -746,20 +706,16 @@ def budget_best(b, reference="gpt"):
         head = (f"| {model['label']} | {x * model['learning_rate']:g} ({x:g} x) | {seeds} | "
                 f"{mean:.4f} +- {se:.4f} |")
         reference_losses = found[reference][1] if reference in found else {}
-        vs = (" | |" if m == reference else " " + versus(losses, reference_losses,
-                                                         paired(b, m, reference, longest),
-                                                         label(m), label(reference)))
+        vs = " | |" if m == reference else " " + versus(
+            losses, reference_losses, paired(b, m, reference, longest), label(m), label(reference))
         lines.append(head + vs + " |")
     return "\n".join(lines)
 
 
 def budget_figure(b, path):
-    """Validation loss (mean of the finished seeds, its standard error as the bar) against
-    iterations, tokens and training FLOPs; dotted: every evaluation of the longest runs (a long run
-    read early); stars: the longest budget at each model's best rate there (mean of the seeds)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Validation loss (mean and s.e. of the seeds) against iterations, tokens and FLOPs; dotted:
+    the longest runs' evaluations; stars: each best rate there."""
+    from support.plots import plt  # the Agg backend
     points, best = budget_points(b), best_rate_losses(b)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharey=True)
     for m, model in b["models"].items():
@@ -825,13 +781,11 @@ def budget_ledger(cfg, out):
                 seeds=list(SEEDS), recheck=list(RECHECK), eval_interval=BUDGET_EVAL,  # seeds: every model's
                 models={m: dict(label=MODELS[m][0], learning_rate=rates[m], seeds=seeds[m])
                         for m in BUDGET_MODELS})
-    draw = lambda r: render_budget(r, out)
-    return jobs, Ledger(path, jobs, info, draw)
+    return jobs, Ledger(path, jobs, info, lambda r: render_budget(r, out))
 
 
 def run_budget(cfg, out):
-    """Experiment 6, recorded job by job, planned again after each pass until the plan stops
-    growing (the recheck's results add jobs). Returns the failed jobs' names."""
+    """Experiment 6, planned again after each pass until the plan stops growing; the failed jobs."""
     planned = None
     while True:
         jobs, ledger = budget_ledger(cfg, out)

@@ -5,18 +5,13 @@ The default run over seeds, and over which draw of the RNG its initial weights c
     python -m experiments.seeds --seeds=1337-1340 --draws=1 --jobs=1
 
 train.py seeds torch's RNG and builds the model, whose init_seed is the RNG's next draw (model.py,
-init_weights). Until this was fixed, the memory plan's meta builds drew first: 76c5ab8 built the
-model from the 2nd draw after the seed, ccd4bd4 from the 3rd, and now train.py seeds again just
-before the build (the 1st). The init procedure is one and the same, so the draws are independent
-samples of it: this measures how much the default run's result depends on the draw alone. Each
-(seed, draw) starts `python train.py --seed=S` (config/shakespeare.py, 1000 iterations) from the
-weights of that draw (`--init_from=` a file written here), with the training code of this commit.
-Jobs run two at a time with one thread each, as in experiments/reproduce.py, and a finished one is
-skipped when the script runs again. A job writes its initial weights (~14 MB) as it starts, and
-the script says what the runs will take before the first one. The record, --out (JSON,
-results/seeds.json), checked before the first job, grows: each finished run is added to what it
-holds (a run of the same seed and draw replaces its entry), and a run that failed or was not asked
-for leaves its entry as it was. The table of the whole record goes to stdout.
+init_weights). 76c5ab8 built it from the 2nd draw after the seed (the memory plan's meta builds drew
+first), ccd4bd4 from the 3rd, this commit from the 1st: the draws are independent samples of one
+init, and this measures how much the default run's result depends on the draw alone. Each (seed,
+draw) is `python train.py --seed=S` (1000 iterations) from that draw's weights (a file of ~14 MB),
+run as experiments/reproduce.py runs jobs. The record, --out (results/seeds.json), checked before
+the first job, grows: each finished run is added (replacing its seed and draw's entry); the table of
+the whole record goes to stdout.
 """
 import functools
 import json
@@ -85,9 +80,8 @@ def initial_weights(seed, draw, path):
 
 
 def read_record(path):
-    """The record a file holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}} (JSON's string
-    keys), {} where there is none; a file that is not such a record (text, half a JSON, a list,
-    other keys, a loss that is no number) is one UserError, before the first job."""
+    """The record a file holds, {draw: {seed: {val_loss, train_loss, val_loss_0}}}, {} where there
+    is none; any other file is one UserError (before any job)."""
     if not os.path.exists(path):
         return {}
     try:

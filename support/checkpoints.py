@@ -7,11 +7,8 @@ a path into a model.
     model, ckpt = load_model(path)      # any checkpoint this project writes, as a model
 
 A checkpoint is a dict with a "kind" (MODEL, ADAPTERS or LORA_RUN), the model config and the
-weights, loaded with weights_only=True: no code in a file runs. `load` is the one function that
-opens a checkpoint: a ckpt.pt (torch.save), a folder that export.py wrote (config.json,
-model.safetensors) or that transformers saved from one (save_pretrained), a transformers GPT-2 or
-Llama folder (hf.py maps its weights), or a Hub id downloaded into the Hugging Face cache.
-Sharded FSDP2 folders are support/resume.py's.
+weights, loaded with weights_only=True: no code in a file runs. `load` opens a ckpt.pt, a model
+folder (load_folder) or a Hub id; sharded FSDP2 folders are support/resume.py's.
 """
 import hashlib
 import json
@@ -40,9 +37,9 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
 def save(obj, path, resumable=False):
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file,
-    and a full disk or a read-only folder is one UserError that leaves the file before intact (a
-    run's checkpoint, `resumable`, which --init_from=resume continues)."""
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file;
+    a full disk or read-only folder is one UserError, the file before intact (`resumable`: a run's
+    checkpoint)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp, existed = f"{path}.tmp{os.getpid()}", os.path.exists(path)
     try:
@@ -100,9 +97,8 @@ def read_config(path):
 
 
 def load_folder(path):
-    """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors) or
-    transformers saved from one, or of a transformers GPT2LMHeadModel or LlamaForCausalLM folder
-    (hf.py maps its weights)."""
+    """The checkpoint dict of a folder that export.py wrote (config.json, model.safetensors) or that
+    transformers saved from one, or of a transformers GPT-2 or Llama folder (hf.py maps it)."""
     config = read_config(path)
     if config.get("format") != "diffeqformer":
         model_config, weights, tokenizer, source = hf.from_transformers(path, config)
@@ -143,9 +139,8 @@ def load_folder(path):
 
 
 def load(path, kind=MODEL, map_location="cpu"):
-    """The checkpoint dict in `path`, loaded with weights_only=True (no code runs). A missing, empty
-    or unreadable file, or one of another kind (`kind` may be a tuple of kinds), is one UserError.
-    `path` may also be an exported folder, a transformers GPT-2 or Llama folder, or a Hub id."""
+    """The checkpoint dict in `path` (a file loaded weights_only, a model folder, a Hub id); a
+    missing, empty, unreadable or other-`kind` file is one UserError."""
     path, kinds = resolve(path), kind if isinstance(kind, tuple) else (kind,)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "LATEST")):
         raise UserError(f"{path} is a sharded checkpoint folder: convert it with "
@@ -179,12 +174,9 @@ def load(path, kind=MODEL, map_location="cpu"):
 
 
 def check_finite(ckpt, path):
-    """The checkpoint dict, if its weights (a model's, or adapters) are finite and add up within
-    float32's range; else one UserError: a model made of them computes NaN or inf (the sampler's
-    "probability tensor contains either inf, nan", LAPACK's errors in the analysis, NaN losses and
-    scores). One sum per tensor, which NaN, inf or values too large (3e38) make NaN or inf: one read
-    of the weights, a fraction of a load (docs/training.md; an isfinite mask costs 10x more).
-    Weights that are no {name: tensor} dict (a list, a number among them): one UserError too."""
+    """The checkpoint dict, if its weights (a model's, or adapters) are a {name: tensor} dict,
+    finite and within float32's range; else one UserError. One sum per tensor (NaN, inf or values
+    past 3e38 make it NaN or inf): a fraction of a load (docs/training.md)."""
     for entry in ("model", "adapters"):
         weights = ckpt.get(entry) or {}
         if not (isinstance(weights, dict) and all(
@@ -213,9 +205,8 @@ def clean_state_dict(state_dict):
 
 
 def file_hash(path):
-    """sha256 of a checkpoint file's bytes, or of what makes a model folder's model: the names and
-    bytes of its config.json and weight files (*.safetensors, *.bin). What an adapters file records
-    of its base checkpoint; a folder's model card, tokenizer or code may change beside it."""
+    """sha256 of a checkpoint file, or of a model folder's config.json and weight files (names and
+    bytes): what an adapters file records of its base."""
     digest = hashlib.sha256()
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, name) for name in os.listdir(path)
@@ -276,12 +267,10 @@ def model_from(ckpt, path, **overrides):
 
 
 def load_model(path, merge_base=None, kind=(MODEL, ADAPTERS), **overrides):
-    """(model on the CPU in eval mode, checkpoint dict) from any checkpoint this project writes:
-    every model type, a full fine-tune or a merged one, a folder, a Hub id, or a LoRA adapters
-    file, materialised on its base at its depth with the adapters merged in (its base's dict comes
-    back; the base is the one it names, or `merge_base` if it moved, checked by its sha256).
-    kind=MODEL refuses adapters. `overrides`: ModelConfig fields that do not change the weights
-    (dropout, checkpoint, solver)."""
+    """(model on the CPU in eval mode, checkpoint dict) from any checkpoint this project writes, or
+    a LoRA adapters file merged into its base at its depth (the base's dict comes back; the base it
+    names, or `merge_base` if it moved, checked by its sha256); kind=MODEL refuses adapters.
+    `overrides`: ModelConfig fields that do not change the weights (dropout, checkpoint, solver)."""
     ckpt = load(path, kind)
     if ckpt["kind"] == MODEL:
         return model_from(ckpt, path, **overrides), ckpt

@@ -1,7 +1,6 @@
 """
 The run's environment, which every script shares: the device and its precision, seeding, the process
 group under torchrun, the lock on out_dir, Ctrl-C, and the batches of the prepared token files.
-Checkpoints are checkpoints.py's, what a run logs runlog.py's.
 """
 import contextlib
 import os
@@ -31,9 +30,8 @@ class Env:
     scaler: torch.amp.GradScaler = field(init=False)  # float16's loss scaling; off in other dtypes
 
     def __post_init__(self):
-        # float16 (nanoGPT's GradScaler): the loss times a scale (65536 at first), so that small
-        # gradients do not flush to zero in fp16; a step whose gradients overflowed to inf or NaN
-        # is skipped and the scale halved, and after 2000 steps without one it doubles
+        # float16: the loss times a scale (65536 at first), so that small gradients do not flush
+        # to zero; a step whose gradients overflowed is skipped and the scale halved
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
 
     @property
@@ -42,8 +40,7 @@ class Env:
 
     @property
     def distributed(self):
-        """True under torchrun, whatever the number of processes: DDP or FSDP2 over a process group
-        (of one process too, so that one GPU runs NCCL's path)."""
+        """True under torchrun, whatever the number of processes (one GPU runs NCCL's path too)."""
         return dist.is_initialized()
 
     def autocast(self):
@@ -75,8 +72,7 @@ def check_one_process(script):
 
 def setup(device="auto", dtype="auto", seed=1337):
     """Pick device and dtype, join the process group when torchrun started this process (NCCL on
-    CUDA, gloo on CPU; torchrun sets WORLD_SIZE, RANK and LOCAL_RANK), and seed the RNG, the same
-    on every rank so that every rank initialises the same model."""
+    CUDA, gloo on CPU), and seed the RNG, the same on every rank (the same initial model)."""
     check_device(device)
     mps = torch.backends.mps.is_available()  # Apple silicon's GPU
     if device == "auto":
@@ -137,10 +133,8 @@ def on_master(env, fn, what):
 
 
 def teardown():
-    """Leave the process group at the end of a run. Not while an error goes up to run_main, which
-    prints it and exits: a gloo peer that destroys its group, or exits, before the other ranks can
-    make them abort (SIGABRT, "Connection closed by peer"), and torchrun then stops rank 0 before it
-    has said why (configurator.run_main: rank 0 exits first, the others wait)."""
+    """Leave the process group at the end of a run, not while an error goes up to run_main (a gloo
+    peer that leaves first can abort the others before rank 0 speaks)."""
     if dist.is_initialized() and sys.exc_info()[0] is None:
         dist.destroy_process_group()
 
@@ -170,11 +164,9 @@ def batches(data, block_size, cfg, env):
 
 
 class Batches:
-    """Random (x, y) windows of block_size tokens from a memmapped token file.
-
-    Stateless: the batch for (iteration, micro-step, rank) comes from an RNG seeded by those
-    numbers, so a resumed run continues exactly where it stopped (no batch is replayed), and K
-    processes with one micro-step each see the same examples as one process with K micro-steps."""
+    """Random (x, y) windows of block_size tokens from a memmapped token file, the batch for
+    (iteration, micro-step, rank) from an RNG seeded by those numbers: a resumed run continues
+    exactly, and K processes with one micro-step see what one process with K micro-steps sees."""
 
     def __init__(self, tokens, block_size, batch_size, device, seed, split_id):
         if len(tokens) <= block_size + 1:
@@ -201,11 +193,10 @@ LOCK_FILES = (".lock", ".lock.pid")  # what lock() writes into out_dir
 
 
 def lock(out_dir, flag="out_dir"):
-    """Claim out_dir (which --{flag} names) for this run: a lock on out_dir/.lock through filelock
-    (flock on Linux and macOS, msvcrt on Windows), held until release() or the end of the process,
-    so that a killed run leaves no stale lock; the holder's pid in out_dir/.lock.pid names it to a
-    run that is refused. Then remove the temporary files that a killed run left behind: those of
-    the files a run writes (RUN_FILES, .lock.pid), by their exact names, never a user's *.tmp."""
+    """Claim out_dir (which --{flag} names) for this run: a filelock on out_dir/.lock, held until
+    release() or the end of the process (a killed run leaves no stale lock), the holder's pid in
+    out_dir/.lock.pid for a run that is refused. Then remove the temporary files a killed run left
+    of the files a run writes (RUN_FILES, .lock.pid), by their exact names, never a user's *.tmp."""
     made = not os.path.isdir(out_dir)
     make_dir(out_dir, flag)
     held = filelock.FileLock(os.path.join(out_dir, ".lock"), timeout=0)  # 0: one try, no waiting
@@ -230,8 +221,7 @@ def lock(out_dir, flag="out_dir"):
 
 @contextlib.contextmanager
 def claimed(env, out_dir):
-    """out_dir claimed for the with block (lock(), by rank 0, the others waiting), and released
-    however the block ends."""
+    """out_dir claimed for the with block (lock(), by rank 0, the others waiting), then released."""
     claim = on_master(env, lambda: lock(out_dir), f"claim {out_dir}")
     try:
         yield
@@ -242,8 +232,7 @@ def claimed(env, out_dir):
 
 class Claim:
     """A run's hold on out_dir (lock): release() ends it, and where the run made out_dir and left
-    nothing there but LOCK_FILES (refused after its claim: a --dataset that does not exist, a
-    checkpoint that does not load), removes out_dir again, as if the run had never begun."""
+    nothing there but LOCK_FILES (refused after its claim), removes out_dir again."""
 
     def __init__(self, held, out_dir, made):
         self.held, self.out_dir, self.made = held, out_dir, made
@@ -261,10 +250,9 @@ class Claim:
 
 
 class Interrupt:
-    """Ctrl-C during training: the first one is acknowledged at once and asks the loop to save the
-    iteration it is at and stop (train.fit raises Interrupted) when the step or evaluation under way
-    ends; a second one stops at once. Under torchrun every rank gets the signal, at its own moment:
-    `asked()` agrees across the ranks, so that all stop together."""
+    """Ctrl-C during training: the first one asks the loop to save its iteration and stop (train.fit
+    raises Interrupted) when the step or evaluation under way ends; a second stops at once. Under
+    torchrun `asked()` agrees across the ranks, so that all stop together."""
 
     def __init__(self, env, out_dir):
         self.env, self.out_dir, self.flag = env, out_dir, False

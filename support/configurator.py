@@ -4,23 +4,20 @@ The command line of every script: config files, then overrides.
     python train.py config/owt_gpt_small.py --model_type=baseline --max_iters 100 \
         --compile --no-wandb
 
-Config files are short Python files of plain assignments; `include("other.py")` runs another one,
-named relative to the including file. Every key, from a file or a flag, is routed to the one
-dataclass field that owns it and coerced to that field's type; an unknown key or a bad value is one
-ConfigError that names the valid keys; `--help` lists every key with its default. nanoGPT's
-exec-based configurator accepts typos and rejects `--steps 9` or `--lora`; this one does neither.
+Config files are short Python files of plain assignments (`include("other.py")` runs another).
+Every key, from a file or a flag, goes to the one dataclass field that owns it, coerced to its type;
+an unknown key or a bad value is one ConfigError; `--help` lists every key with its default. Unlike
+nanoGPT's exec-based configurator, this one rejects typos and accepts `--steps 9` and `--lora`.
 """
 import os
 import signal
 import sys
 
 
-# Every script imports this module first, and these rules come before its other imports (and
-# numpy's and torch's, seconds under load): only the interpreter's own start is left before them.
+# Every script imports this module first: these rules come before its other imports (torch's).
 def say_ctrl_c(kind, value, traceback, print_traceback=sys.excepthook):
-    """Python's last word on an exception that nothing caught: a Ctrl-C before run_main catches it
-    (while a script imports torch, seconds under load) is one line, not a traceback; Python then
-    ends the process by SIGINT (status 130 in a shell), as after any Ctrl-C."""
+    """Python's last word on an uncaught exception: a Ctrl-C before run_main catches it (while a
+    script imports torch) is one line, not a traceback; Python then ends the process by SIGINT."""
     if not issubclass(kind, KeyboardInterrupt):
         print_traceback(kind, value, traceback)
     elif int(os.environ.get("RANK", 0)) == 0:
@@ -65,14 +62,12 @@ class Interrupted(UserError):
 
 
 class Diverged(UserError):
-    """A loss or gradient norm that is not finite in training (train.fit): every rank has it (they
-    are reduced over the processes), rank 0 says it."""
+    """A loss or gradient norm that is not finite in training (train.fit): every rank has it."""
     every_rank = True
 
 
 def int_range(text, key, high, low=1):
-    """"3-9" -> (3, 9), "6" -> (6, 6): an option that is a whole number or a range within
-    low..high."""
+    """A whole number or a range within low..high: "3-9" -> (3, 9), "6" -> (6, 6)."""
     lo, _, hi = text.partition("-")
     if not (lo.isdigit() and (hi or lo).isdigit() and low <= int(lo) <= int(hi or lo) <= high):
         raise ValueError(f"{key}={text!r}: use a whole number or a range like 3-9 within "
@@ -130,8 +125,7 @@ OWN_FOLDERS = (".ci", ".git", "assets", "config", "data", "docs", "experiments",
 
 def check_own_folder(path, flag):
     """Refuse a folder --{flag} names that holds the project's own files: the repository's root or
-    one of OWN_FOLDERS (data/: the shipped corpora and the prepared data), by any path. A run wrote
-    its ckpt.pt, log.jsonl, loss.png and lock among them (`--out_dir=.`, `--out_dir=data`)."""
+    one of OWN_FOLDERS (data/: the shipped corpora and the prepared data), by any path."""
     real, root = os.path.realpath(path), os.path.realpath(ROOT)
     inside = [name for name in OWN_FOLDERS if (real + os.sep).startswith(
         os.path.join(root, name, ""))]  # the folder itself, or one within it
@@ -142,13 +136,10 @@ def check_own_folder(path, flag):
 
 
 def check_out_dir(cfg):
-    """Refuse, before anything is written, an out_dir of the project's own files (the repository's
-    root, data/, ...); one that a live run holds (its lock: it says so first); one whose files would
-    replace the checkpoint the run starts from (whatever --overwrite says); --init_from=resume where
-    out_dir holds no checkpoint; and a new run in an out_dir that holds a run (any of RUN_FILES): it
-    would be replaced without a word. --init_from=resume continues it, --overwrite starts over (as
-    transformers' --overwrite_output_dir; runlog.start_over removes the earlier run's files as the
-    new run begins)."""
+    """Refuse, before anything is written, an out_dir of the project's own files; one that a live
+    run holds (its lock: said first); one whose files would replace the checkpoint the run starts
+    from (even with --overwrite); --init_from=resume where out_dir holds no checkpoint; a new run
+    where a run is (any of RUN_FILES) but with --overwrite."""
     check_own_folder(cfg.out_dir, "out_dir")
     lock = filelock.FileLock(os.path.join(cfg.out_dir, ".lock"), timeout=0)  # one try
     if os.path.isfile(lock.lock_file):  # a run's, live or ended: held means live
@@ -184,9 +175,8 @@ DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # full, over quota, rea
 
 
 def write_error(path, error):
-    """The UserError of an OSError met while writing `path`: a full disk, a quota, a read-only
-    file system. numpy reports a short write without an errno ("Not enough free space to write N
-    bytes", or "N requested and 0 written"): a full disk too."""
+    """The UserError of an OSError met while writing `path`: a full disk, a quota, a read-only file
+    system; numpy's short write without an errno ("Not enough free space to write N bytes") too."""
     full = error.errno in (errno.ENOSPC, errno.EDQUOT, None)
     why = error.strerror or str(error) or type(error).__name__
     return UserError(f"could not write {path or 'a file'}: {why}"
@@ -195,10 +185,8 @@ def write_error(path, error):
 
 @contextlib.contextmanager
 def written(path):
-    """Write a file atomically: the block writes the temporary path it is given (path + ".tmp"),
-    which is then renamed to `path`. A crash, Ctrl-C or full disk leaves no half-written or empty
-    file (the temporary one is removed) and the file before intact; an OSError (a full disk, a
-    quota, a read-only folder) is one UserError."""
+    """Write a file atomically: the block writes `path + ".tmp"`, then renamed to `path` (a crash
+    leaves the file before); an OSError is one UserError."""
     tmp = path + ".tmp"
     try:
         yield tmp
@@ -224,9 +212,8 @@ def fields_of(*classes):
 
 
 def coerce(key, value, annotation, where=None):
-    """value (a string from the command line, or a Python value from a config file) as
-    `annotation`; a bad one is a ConfigError that names the flag, or `where` the config file sets
-    it ("config/x.py, line 3")."""
+    """value (a string from the command line, or a config file's Python value) as `annotation`; a
+    bad one is a ConfigError naming the flag, or `where` a config file sets it ("x.py, line 3")."""
     flag = f"--{key}" if where is None else f"{where}: {key}"
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     optional = is_union and type(None) in typing.get_args(annotation)
@@ -267,8 +254,7 @@ BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
 
 def find_config_file(path, relative_to=None):
     """A config file named relative to `relative_to` (another config file's folder), else to the
-    current directory, else to the repository, so that scripts run from anywhere find
-    config/x.py."""
+    current directory, else to the repository (scripts run from anywhere find config/x.py)."""
     bases = [relative_to] if relative_to else [os.getcwd(), ROOT]
     for base in bases:
         candidate = os.path.join(base, path)
@@ -281,9 +267,8 @@ def find_config_file(path, relative_to=None):
 
 
 def read_config_file(path, relative_to=None):
-    """The plain assignments of a config file, as a dict (imports and underscore names left out).
-    `include("other.py")` inside a config file runs another config file, named relative to
-    itself."""
+    """The plain assignments of a config file, as a dict (imports and underscore names left out);
+    `include("other.py")` in it runs another config file, named relative to itself."""
     path = find_config_file(path, relative_to)
     scope = {"include": lambda other: scope.update(read_config_file(other, os.path.dirname(path)))}
     try:
@@ -292,14 +277,12 @@ def read_config_file(path, relative_to=None):
         raise
     except Exception as e:
         raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from e
-    return {k: v for k, v in scope.items()
-            if not k.startswith("_") and k != "include"
+    return {k: v for k, v in scope.items() if not k.startswith("_") and k != "include"
             and not isinstance(v, (types.ModuleType, types.FunctionType))}
 
 
 def assignment(path, key, relative_to=None):
-    """Where a config file sets `key`, as "config/x.py, line 3": its last assignment, or that of a
-    file it includes after it; None where it is not found."""
+    """Where a config file (or one it includes) last sets `key`: "x.py, line 3", or None."""
     found, lines = find_config_file(path, relative_to), []
     shown = found if relative_to else path  # an included file by the path that found it
     for node in ast.walk(ast.parse(open(found).read())):
@@ -332,9 +315,8 @@ def field_comments(cls):
 
 
 def usage(classes, values=None, note=""):
-    """`--help`: every key with its type, default and the comment beside its field. The default is
-    the one the run would use: from `values` ({key: (value, where)}, the script's defaults and
-    config files) where they set it, with the field's own after "else" where it differs."""
+    """`--help`: every key with its type, default and comment; the default the run would use (from
+    `values`: {key: (value, where)}), the field's own after "else"."""
     values = values or {}
     lines = ["usage: python SCRIPT.py [config/FILE.py ...] "
              "[--key=value | --key value | --flag | --no-flag ...]"] + [note] * bool(note)
@@ -357,8 +339,7 @@ def usage(classes, values=None, note=""):
 
 
 def split_args(argv, owners):
-    """(config files, [(key, raw value)]) from argv: `--k=v`, `--k v`, `--flag`, `--flag false`,
-    `--no-flag`."""
+    """(config files, [(key, raw value)]): --k=v, --k v, --flag, --flag false, --no-flag."""
     files, pairs, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
@@ -387,14 +368,10 @@ def split_args(argv, owners):
 
 
 def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
-    """Build one instance of each dataclass from argv (config files, then flags, later wins);
-    `default_file` is read when argv names no config file.
-
-    Returns (instances..., given): `given` is the set of keys the user chose, in a config file they
-    named or on the command line, so that a script can tell a choice from a default (resuming, a
-    checkpoint's shape and tokenizer win over `defaults` and `default_file`). `check(given)` runs
-    before any instance is built: a script refuses there the keys it does not take (finetune.py:
-    the model's shape), before their values are checked against other keys' defaults."""
+    """(instances..., given): one instance of each dataclass from argv (config files, then flags,
+    later wins; `default_file` where argv names no config file), and the keys the user chose, in a
+    config file or a flag (a script tells a choice from a default). `check(given)` runs first: a
+    script refuses the keys it does not take (finetune.py: the shape)."""
     owners = fields_of(*classes)
     asked_help = "--help" in argv or "-h" in argv
     files, pairs = split_args([a for a in argv if a not in ("--help", "-h")], owners)
@@ -434,11 +411,9 @@ def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
 
 
 def run_main(main):
-    """Run a script's main(), turning the errors a user can fix into one line on stderr (a full
-    disk, a quota or a read-only file system too, wherever a file is written), and Ctrl-C into one
-    line and status 130 wherever it comes (in a process started in the background too: this module
-    restores SIGINT as it is imported), and a closed stdout into a quiet end with status 141, as a
-    Unix tool's (`python sample.py | head`)."""
+    """Run a script's main(), turning the errors a user can fix (a full disk, a quota or a read-only
+    file system too, wherever a file is written) into one line on stderr, Ctrl-C into one line and
+    status 130, and a closed stdout into a quiet end with status 141 (`python sample.py | head`)."""
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt as e:  # a second Ctrl-C during training, or one anywhere else
@@ -463,9 +438,8 @@ def run_main(main):
 
 def outlive_rank_0(seconds=60):
     """Under torchrun, a rank that leaves an error every rank has to rank 0 waits until torchrun
-    stops it, which torchrun does once a rank has exited: rank 0, having said why, so that its
-    status is the failure torchrun reports (a rank that exited first would have rank 0 stopped,
-    perhaps before it printed). At most `seconds`, and not past torchrun's own end."""
+    stops it (once a rank has exited): rank 0 exits first, having said why, its status the failure
+    torchrun reports. At most `seconds`, and not past torchrun's own end."""
     parent, deadline = os.getppid(), time.monotonic() + seconds
     while os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,12 +1,11 @@
 """
 transformers' GPT-2 and Llama, both ways: our GPT and Llama baselines as its GPT2LMHeadModel and
 LlamaForCausalLM (export.py --format=hf), their folders read back as our checkpoints (every
---init_from, and OpenAI's GPT-2: train.py --init_from=gpt2), and our tokenizers as its
-tokenizer.json.
+--init_from, and OpenAI's GPT-2), and our tokenizers as its tokenizer.json.
 
 The names map one to one (TRANSFORMERS_NAMES); GPT-2 keeps its linear weights transposed (its Conv1D
 is x @ W, nn.Linear is x @ W^T) and Llama splits our fused q, k, v. transformers is an optional
-extra (requirements-eval.txt), imported only inside the functions that need it.
+extra (requirements-eval.txt), imported only where needed.
 """
 import os
 
@@ -34,9 +33,9 @@ LAYERS = {"gpt": "transformer.h", "llama": "model.layers"}
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
-def layer_names(cfg):
-    """(our name, transformers' name, transposed?) of every tensor of every layer, but the Llama
-    flavour's fused attention (split into q, k, v by the two functions below)."""
+def tensor_names(cfg):
+    """(our name, transformers' name, transposed?) of every tensor but Llama's fused q, k, v."""
+    yield from ((ours, theirs, False) for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items())
     for k in range(cfg.n_layer):
         for name, their_name in TRANSFORMERS_NAMES[cfg.flavor].items():
             for kind in ("weight", "bias"):
@@ -48,10 +47,8 @@ def layer_names(cfg):
 
 def to_transformers_state(state, cfg):
     """Our baseline's state dict -> transformers' (GPT2LMHeadModel or LlamaForCausalLM)."""
-    out = {theirs: state[ours] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()}
-    for ours, theirs, transposed in layer_names(cfg):
-        if ours in state:
-            out[theirs] = state[ours].t() if transposed else state[ours]
+    out = {theirs: state[ours].t() if transposed else state[ours]
+           for ours, theirs, transposed in tensor_names(cfg) if ours in state}
     if cfg.flavor == "llama":  # our fused attn (3C, C) = [W_q; W_k; W_v]
         for k in range(cfg.n_layer):
             for their_name, w in zip(QKV, state[f"layers.{k}.attn.weight"].chunk(3)):
@@ -61,11 +58,8 @@ def to_transformers_state(state, cfg):
 
 def from_transformers_state(state, cfg):
     """transformers' state dict -> our baseline's: the map of to_transformers_state backwards."""
-    out = {ours: state[theirs] for ours, theirs in OUTSIDE_LAYERS[cfg.flavor].items()
-           if theirs in state}
-    for ours, theirs, transposed in layer_names(cfg):
-        if theirs in state:
-            out[ours] = state[theirs].t() if transposed else state[theirs]
+    out = {ours: state[theirs].t() if transposed else state[theirs]
+           for ours, theirs, transposed in tensor_names(cfg) if theirs in state}
     if cfg.flavor == "llama":
         for k in range(cfg.n_layer):
             qkv = [state[f"{LAYERS['llama']}.{k}.{n}.weight"] for n in QKV]
@@ -121,10 +115,8 @@ def to_transformers(model, tokenizer):
 
 
 def from_transformers(path, config):
-    """(model config dict, our state dict, tokenizer name, where it came from) of a transformers
-    GPT2LMHeadModel or LlamaForCausalLM folder: loaded by transformers' from_pretrained, then
-    renamed; the vocabulary padded to a multiple of 64 with rows that never get probability
-    (tokenizer_vocab)."""
+    """(model config dict, our state dict, tokenizer name, source) of a transformers GPT-2 or Llama
+    folder; the vocabulary padded to a multiple of 64 (tokenizer_vocab)."""
     kind = config.get("model_type")
     flavor = {"gpt2": "gpt", "llama": "llama"}.get(kind)
     if flavor is None:

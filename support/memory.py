@@ -17,8 +17,7 @@ from support.parallel import fsdp_units
 
 
 def generated_numel(model):
-    """Entries of the weights generated for one stage time (what one evaluation of F multiplies
-    with)."""
+    """Entries of the weights generated for one stage time (one evaluation of F multiplies them)."""
     return sum(math.prod(m.shape) + (m.shape[0] if m.C_W is not None else 0)
                if isinstance(m, TimeDependentLinear)
                else m.G.size(0) + (m.H.size(0) if m.H is not None else 0)
@@ -27,13 +26,11 @@ def generated_numel(model):
 
 
 def activation_bytes(mcfg, dtype, device_type):
-    """Bytes that autograd keeps per token for one evaluation of the block (one solver stage or
-    layer), term by term; on CPU in fp32 a saved-tensors hook counts GPT 15 C and Llama 27 C values.
-    The residual stream stays fp32 under autocast (the embeddings are fp32), and so does each
-    RMSNorm's x / rms(x)."""
+    """Bytes that autograd keeps per token for one evaluation of the block (a solver stage or
+    layer), term by term (a saved-tensors hook on CPU in fp32 counts GPT 15 C and Llama 27 C
+    values); the residual stream and RMSNorm's x / rms(x) stay fp32 under autocast."""
     b, r, C, H = dtype.itemsize, 4, mcfg.n_embd, mcfg.ffn_dim
-    # the state X_k (both norms read it), the attention's fp32 log-sum-exp
-    n = r * C + 4 * mcfg.n_head
+    n = r * C + 4 * mcfg.n_head  # the state X_k (both norms read it), attention's fp32 log-sum-exp
     if mcfg.flavor == "llama":
         # x / rms(x) twice; the normed inputs, q k v, the rotated q and k, the attention output
         # (= the projection's input); SwiGLU's gate, silu, up, product
@@ -43,9 +40,8 @@ def activation_bytes(mcfg, dtype, device_type):
         n += b * (2 * C + 3 * C + C + 2 * H)
     if mcfg.model_type == "baseline":
         n += r * C  # the sequential block's state between attention and MLP
-    # masks after attention and MLP: bool on CUDA, float on CPU, where a baseline's
-    # attention-probability dropout has no fused kernel and keeps three (T, T) matrices per head and
-    # copies of q, k, v
+    # masks after attention and MLP: bool on CUDA, float on CPU, where a baseline's attention
+    # dropout has no fused kernel and keeps three (T, T) matrices per head and copies of q, k, v
     if mcfg.dropout > 0:
         n += 2 * C * (1 if device_type == "cuda" else 4)
         if device_type != "cuda" and mcfg.model_type == "baseline":
@@ -54,28 +50,24 @@ def activation_bytes(mcfg, dtype, device_type):
 
 
 def runtime_overhead(device_type):
-    """What a process holds besides tensors: on CPU, measured (bench_scale.py --what=memory: a tiny
-    model's peak RSS rise, 2 gloo processes); on CUDA an allowance, not measured here, for the CUDA
-    context, NCCL's buffers and the caching allocator's fragmentation."""
+    """What a process holds besides tensors: on CPU, measured (bench_scale.py --what=memory); on
+    CUDA an allowance for the context, NCCL and fragmentation."""
     if device_type == "cuda":
         return {"CUDA context, NCCL buffers, allocator fragmentation (an allowance)": 3 * 2 ** 30}
     return {"process group, kernels' workspaces, Python (measured on CPU)": 70 * 2 ** 20}
 
 
 def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda"):
-    """Estimated peak bytes per process, by part: ("phase", {part: bytes}). The peak is the larger
-    of two moments: the start of the last micro-step's backward (activations, logits and everything
-    held across micro-steps), and, for weights generated once per step, their pull-back into the
-    hypernetwork (every gradient and dL/dW at once). fp32 parameters, gradients and AdamW state;
-    compute in `dtype` (bf16 under autocast and FSDP2's MixedPrecisionPolicy on CUDA; fp32 on
-    CPU)."""
+    """Estimated peak bytes per process, by part: ("phase", {part: bytes}), the larger of two
+    moments: the start of the last micro-step's backward, and, for weights generated once per step,
+    their pull-back into the hypernetwork (every gradient and dL/dW at once). fp32 parameters,
+    gradients and AdamW state; compute in `dtype` (bf16 on CUDA, fp32 on CPU)."""
     b = dtype.itemsize  # compute
     P = model.num_params()
     diffeq = mcfg.model_type == "diffeq"
     hyper = sum(p.numel() for p in model.hyper.parameters()) if diffeq else 0
     units = [sum(p.numel() for p in u.parameters()) for u in fsdp_units(model)]
-    # embeddings, final norm, head: FSDP2's root unit, DDP's whole model but for hyper
-    root = P - sum(units)
+    root = P - sum(units)  # embeddings, final norm, head: FSDP2's root, DDP's model but hyper
     sharded = cfg.parallel == "fsdp" and world > 1
     ddp = cfg.parallel == "ddp" and world > 1
     share = world if sharded else 1
@@ -87,8 +79,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
     generated = generated_numel(model) * evals if diffeq else 0  # entries of W(t_k) for every k
     autocast = dtype != torch.float32
-    # FSDP2 gathers the units in bf16 under the policy
-    unit_bytes = b if sharded and autocast else 4
+    unit_bytes = b if sharded and autocast else 4  # FSDP2 gathers the units in bf16 (its policy)
 
     per_eval = activation_bytes(mcfg, dtype, device_type) * B * T
     # every evaluation keeps its input; one is recomputed at a time in the backward
@@ -98,11 +89,9 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     else:
         activations = per_eval * evals
         what = f"activations ({per_eval / (B * T * C):.0f} B per token, width and step)"
-    # X(1), the final norm, its output
-    activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C
+    activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C  # X(1), norm, output
     if mcfg.flavor == "llama" and diffeq:
-        # the fused q, k, v weight, one copy per step and micro-step
-        activations += b * 3 * C * C * evals
+        activations += b * 3 * C * C * evals  # the fused q, k, v weight, per step and micro-step
 
     compute = str(dtype).removeprefix("torch.")
     sharded_ways = f", sharded {world} ways" if sharded else ""
@@ -114,9 +103,8 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
                          if sharded else "generated weights W(t_k), once per step")
     backward = {
         f"parameters and AdamW state (12 B per parameter{sharded_ways})": 12 * P / share,
-        # FSDP2's sharded gradients appear only at the last micro-step's reduce-scatter; the
-        # unsharded ones are kept from the first micro-step on (gradient sync off), for every unit
-        # that ran
+        # FSDP2's sharded gradients appear at the last micro-step's reduce-scatter; the unsharded
+        # ones are kept from the first micro-step on (gradient sync off), for every unit that ran
         gradients: 4 * (P - hyper if once else P) if not sharded else 0,
         "FSDP2 root gathered (fp32) with its unsharded gradients": 8 * root if sharded else 0,
         # the ODE's run before and after the step loop
@@ -152,8 +140,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
 
 
 def dry_run(mcfg, cfg, world, dtype=None, device_type="cuda", verbose=True):
-    """Print the plan (verbose) and refuse one that does not fit in gpu_memory_gb. dtype: the
-    compute dtype (default: cfg.dtype, with "auto" meaning a GPU's bf16)."""
+    """Print the plan (verbose); refuse one past gpu_memory_gb (dtype: cfg.dtype, auto: bf16)."""
     with torch.device("meta"):
         model = DiffEqFormer(mcfg)
     world = cfg.gpus or world
@@ -211,9 +198,8 @@ def device_memory_gib(env):
 
 
 def decoding_gib(mcfg, dtype, B, n, L, steps, solver):
-    """About the memory sample.py's generation of B sequences of n tokens through KV caches of L
-    positions holds at once, in GiB: the tokens, the caches, one prefill's widest activations
-    (float32) and the sampling's copies of the logits."""
+    """About the GiB sample.py holds at once generating B sequences of n tokens with KV caches of L
+    positions: tokens, caches, a prefill's widest activations, logits."""
     caches = evaluations(mcfg, steps, solver) * 2 * B * L * mcfg.n_embd * dtype.itemsize
     widest = 4 * B * (L * max(3 * mcfg.n_embd, mcfg.ffn_dim, mcfg.n_head * L) + 4 * mcfg.vocab_size)
     return (8 * B * n + caches + widest) / 2 ** 30

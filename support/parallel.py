@@ -28,8 +28,7 @@ def unwrap(model):
 
 
 def fsdp_units(model):
-    """The repeated units FSDP2 shards one by one: the hypernetwork's weight functions, or the
-    layers."""
+    """The units FSDP2 shards one by one: the hypernetwork's weight functions, or the layers."""
     diffeq = model.cfg.model_type == "diffeq"
     units = model.hyper.children() if diffeq else getattr(model, "layers", [])
     return [u for u in units if any(True for _ in u.parameters())]
@@ -46,8 +45,7 @@ def mixed_precision(env):
 
 
 def shard(model, mp_policy=None):
-    """FSDP2: each unit (in bf16 under mp_policy), then the root, whose embeddings, final norm and
-    head stay fp32 (torchtitan's order)."""
+    """FSDP2: each unit (in bf16 under mp_policy), then the root (embeddings, norm, head: fp32)."""
     from torch.distributed.fsdp import fully_shard
     for unit in fsdp_units(model):
         fully_shard(unit, **({"mp_policy": mp_policy} if mp_policy else {}))
@@ -56,8 +54,7 @@ def shard(model, mp_policy=None):
 
 
 def shard_rows(p):
-    """(the rows of parameter p held by this process, the first one's index): FSDP2 shards dim 0 as
-    torch.chunk does."""
+    """(the rows of p this process holds, the first's index): FSDP2 splits dim 0 as torch.chunk."""
     if not isinstance(p, DTensor):
         return p, 0
     rows = -(-p.size(0) // p.device_mesh.size())
@@ -66,8 +63,7 @@ def shard_rows(p):
 
 def build(model, cfg, env):
     """Compile, then shard (FSDP2) or replicate (DDP); a model built on the meta device is then
-    allocated and initialised shard by shard. Returns the model to call (DDP's wrapper, or the
-    model)."""
+    allocated and initialised shard by shard. Returns the model to call (DDP's wrapper, or it)."""
     raw = model
     if sharded(cfg, env) and env.dtype == torch.float16:  # ConfigError: rank 0 prints it
         raise ConfigError("FSDP2 runs compute in bfloat16 or float32 here (float16's loss scaling "
@@ -76,9 +72,8 @@ def build(model, cfg, env):
         model.compile()
     if sharded(cfg, env):
         # weights generated once per step never run the hypernetwork's units through FSDP2
-        # (weightgen gathers W in bf16 and reduces dL/dW in fp32 itself); a policy on them would
-        # only trip FSDP2's post-backward on parameters it never unsharded (torch 2.13, with
-        # gradient sync off)
+        # (weightgen gathers W and reduces dL/dW itself); a policy on them would only trip FSDP2's
+        # post-backward on parameters it never unsharded (torch 2.13, with gradient sync off)
         model = shard(model, None if generates_once(raw, cfg) else mixed_precision(env))
     elif env.distributed:
         DDP = torch.nn.parallel.DistributedDataParallel
@@ -93,8 +88,7 @@ def build(model, cfg, env):
 
 
 def sync(model, last, cfg, env):
-    """Skip the gradient all-reduce on every micro-step but the last (DDP: no_sync covers forward
-    and backward; FSDP2: set_requires_gradient_sync)."""
+    """No gradient all-reduce but on the last micro-step (DDP's no_sync, FSDP2's switch)."""
     if sharded(cfg, env):
         model.set_requires_gradient_sync(last)
     elif env.distributed and not last:

@@ -3,14 +3,10 @@ Every figure and web page of the project, apart from the maths that computes wha
 scripts compute their numbers, then hand them to one function here per figure.
 
 * training: the loss curve of a run (train.py's loss.png)
-* analysis (analyze.py): eigenvalue spectra over t, the particle simulation, the prompt shaded by
-  its Lyapunov scores (PNG and HTML)
-* experiments: validation loss against depth (experiments/depth.py), the downstream-task bar chart
-  (experiments/eval.py), the logit lens over t (experiments/logit_lens.py)
+* analysis (analyze.py): spectra over t, the particle simulation, Lyapunov-shaded prompts
+* experiments: validation loss against depth, the downstream-task bar chart, the logit lens over t
 
-The figures of the results page stay in experiments/reproduce.py: each one reads that page's
-summary.
-Figures go to files only (the Agg backend); nothing here needs a display.
+The results page's figures stay in experiments/reproduce.py. Figures go to files only (Agg).
 """
 import html
 import io
@@ -29,8 +25,7 @@ DPI = 100
 
 
 def save_figure(fig, path):
-    """A small PNG: rendered at DPI, then reduced to a 256-colour palette (a third of the bytes for
-    line plots)."""
+    """A small PNG: rendered at DPI, then reduced to 256 colours (a line plot's bytes / 3)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=DPI)
     plt.close(fig)
@@ -41,8 +36,7 @@ def save_figure(fig, path):
 # -- training --------------------------------------------------------------------------------------
 
 def loss_curve(log_path, png_path):
-    """The losses of a run's log.jsonl against the iteration: every training batch, and the
-    evaluations of the train and validation splits."""
+    """A run's log.jsonl losses by iteration: training batches, train and validation evaluations."""
     rows = [json.loads(line) for line in open(log_path)]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     curves = (("loss", "-", "training batches"), ("train_loss", "--", "train (evaluation)"),
@@ -64,9 +58,8 @@ def loss_curve(log_path, png_path):
 # -- analysis: spectral dynamics (analyze.py --spectral) -------------------------------------------
 
 def spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
-    """Eigenvalues' real parts and magnitudes against t or layer, one colour per head. Sorted
-    eigenvalues are continuous in t, so each rank is drawn as a line; the forward grid's eigenvalues
-    are marked with dots."""
+    """Eigenvalues' real parts and magnitudes against t or layer, one colour per head: each rank
+    (sorted, continuous in t) as a line, the forward grid's eigenvalues as dots."""
     eig = eig if eig.ndim == 3 else eig[:, None]  # the FFN product: one "head"
     grid_eig = grid_eig if grid_eig.ndim == 3 else grid_eig[:, None]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -96,8 +89,7 @@ def spectrum(x, eig, grid_x, grid_eig, xlabel, title, path):
 # -- analysis: clustering of particles (analyze.py --cluster) --------------------------------------
 
 def clusters(names, paths, t, counts, ccfg, path):
-    """The particle simulation: one 3-D panel of trajectories per weight schedule (names), and the
-    number of clusters against t for every schedule."""
+    """The particle simulation: trajectories in 3-D per schedule, and clusters against t."""
     fig = plt.figure(figsize=(12, 7.5))
     colors = plt.get_cmap("tab10")
     for i, (name, xs) in enumerate(zip(names, paths)):
@@ -130,8 +122,7 @@ def clusters(names, paths, t, counts, ccfg, path):
 def shade(values, cmap):
     """Colours (RGBA) for values on a colour map, darker = larger, and whether text on them should
     be white. The scale spans the tokens before the last: the last one (the output position, whose
-    exponents also hold the MLP's and its own attention's share) would otherwise leave every other
-    token pale; it is drawn at the scale's ends."""
+    exponents also hold the MLP's share) would leave every other token pale."""
     lo, hi = scale_of(values)
     scaled = np.clip((values - lo) / (hi - lo), 0, 1) if hi > lo else np.zeros_like(values)
     rgba = plt.get_cmap(cmap)(scaled)
@@ -148,8 +139,7 @@ def visible(token):
 
 
 def layout(tokens, width):
-    """(line, column) of each token in a monospace grid `width` characters wide; a newline token
-    ends its line."""
+    """(line, column) of each token in a monospace grid `width` characters wide; newlines break."""
     place, line, col = [], 0, 0
     for tok in tokens:
         n = len(visible(tok))
@@ -164,8 +154,7 @@ def layout(tokens, width):
 
 def shaded_text(tokens, rows, title, path, width=80):
     """The prompt once per row of (label, values, colour map), each token on a background shaded by
-    its value, with a colour bar as legend; the last position (the one analysed) is outlined in
-    red."""
+    its value, with a colour bar; the last position (the one analysed) outlined in red."""
     place, lines = layout(tokens, width)
     width = max(col + len(visible(tok)) for tok, (_, col) in zip(tokens, place))
     char_w, line_h, pad = 0.0875, 0.24, 0.4  # inches: DejaVu Sans Mono at 10 pt advances 0.6 em
@@ -173,8 +162,7 @@ def shaded_text(tokens, rows, title, path, width=80):
     fig_w, fig_h = max(width * char_w + 2 * pad, 7.5), len(rows) * panel_h + 0.5
     fig = plt.figure(figsize=(fig_w, fig_h))
     for r, (label, values, cmap) in enumerate(rows):
-        # inches from the bottom to the top of this row's text
-        top = fig_h - 0.5 - r * panel_h - 0.25
+        top = fig_h - 0.5 - r * panel_h - 0.25  # inches from the bottom to this row's text top
         ax = fig.add_axes((pad / fig_w, (top - lines * line_h) / fig_h,
                            width * char_w / fig_w, lines * line_h / fig_h))
         rgba, white = shade(values, cmap)
@@ -264,8 +252,7 @@ def depth(results, trained, png_path):
 
 def logit_lens(t, results, prompt, answer, path):
     """The logit lens over t (experiments/logit_lens.py): per solver, the probability of the answer
-    after the prompt, and the mean probability of the next token over many positions, read from
-    the state X(t_k) at each t_k."""
+    after the prompt and the mean one of the next token, read from the state X(t_k) at each t_k."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
     for j, (solver, r) in enumerate(results.items()):
         axes[0].plot(t, r["answer"], "o-", color=f"C{j}", label=solver)
@@ -284,10 +271,8 @@ def logit_lens(t, results, prompt, answer, path):
 
 
 def eval_bars(labels, tables, path):
-    """Downstream results of a few checkpoints: each metric in a panel of its own, a group of bars
-    per task, one bar per checkpoint (labels) with its standard error. tables: per checkpoint, rows
-    of (task, metric, n-shot, value, stderr or None), as experiments/eval.py's metric_rows gives
-    them."""
+    """Downstream results of a few checkpoints: a panel per metric, a group of bars per task, a bar
+    per checkpoint (labels) with its standard error; tables: eval.metric_rows per checkpoint."""
     metrics = list(dict.fromkeys(metric for _, metric, *_ in tables[0]))
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics) + 1, 3.4), squeeze=False)
     width = 0.8 / len(labels)

@@ -1,13 +1,10 @@
 """
-Saving and resuming a training run: train.py's checkpoints go through save_run / load_run /
-restore_run, which write and read out_dir/ckpt.pt on one process or under DDP, and under FSDP2 a
-sharded folder (torch.distributed.checkpoint): every rank writes its own shards, so 6.5B parameters
-are never gathered on one rank, and `python train.py --convert=FOLDER` turns the latest one into the
-ordinary single file.
-
-A kill at any moment leaves the last complete checkpoint loadable: each save is a new folder
-`iter_K/` inside `ckpt_sharded/`, and the text file `ckpt_sharded/LATEST` is switched to it
-(atomically) only once it is complete; older folders, and incomplete ones, are removed after that.
+Saving and resuming a training run (save_run, load_run, restore_run): out_dir/ckpt.pt on one
+process or under DDP; under FSDP2 a sharded folder (torch.distributed.checkpoint) that every rank
+writes its own shards into, so 6.5B parameters are never gathered on one rank (`python train.py
+--convert=FOLDER` turns it into the single file). A kill at any moment leaves the last complete
+checkpoint loadable: each save is a new folder `iter_K/` in `ckpt_sharded/`, and its `LATEST` is
+switched to it (atomically) once it is complete; older and incomplete folders are removed then.
 """
 import os
 import shutil
@@ -43,8 +40,7 @@ def clean(folder):
 
 
 def save_sharded(model, optimizer, meta, folder, iteration, master):
-    """Every rank writes its own shards into folder/iter_K; rank 0 writes meta.pt, then points
-    LATEST at the new folder, then removes the others."""
+    """Every rank writes its shards into folder/iter_K; rank 0 meta.pt, LATEST, then cleans up."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -71,10 +67,9 @@ def save_sharded(model, optimizer, meta, folder, iteration, master):
 def load_sharded(model, optimizer, folder):
     """Load the latest sharded checkpoint of `folder` into the FSDP-wrapped model and optimizer."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+        set_optimizer_state_dict)
     path = latest_sharded(folder)
     msd = get_model_state_dict(model)
     dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
@@ -84,12 +79,9 @@ def load_sharded(model, optimizer, folder):
     set_optimizer_state_dict(model, optimizer, osd)
 
 
-
-
 def convert_sharded(folder, dst=None):
-    """A sharded checkpoint folder -> the ordinary single file (model only, no optimizer state),
-    by default ckpt.pt beside the folder: the model of meta.pt's config, built on the CPU, takes
-    the shards in one process (no process group)."""
+    """A sharded checkpoint folder -> the ordinary single file (model only), by default ckpt.pt
+    beside the folder: meta.pt's model, built on the CPU, takes the shards in one process."""
     import torch.distributed.checkpoint as dcp
     dst = dst or os.path.join(os.path.dirname(os.path.abspath(folder)), "ckpt.pt")
     path = latest_sharded(folder)
@@ -107,8 +99,7 @@ def convert_sharded(folder, dst=None):
 # -- a training run's checkpoint: one file, or the sharded folder under FSDP2 ----------------------
 
 def save_run(model, optimizer, state, cfg, env, extra):
-    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP the folder out_dir/ckpt_sharded
-    that every rank writes its own shards to."""
+    """The run's checkpoint: out_dir/ckpt.pt (rank 0), or under FSDP every rank's shards."""
     scaler = env.scaler.state_dict()  # float16's loss scale (empty in other dtypes)
     meta = {"kind": checkpoints.MODEL, **extra, **state, "scaler": scaler}
     if parallel.sharded(cfg, env):
@@ -121,9 +112,8 @@ def save_run(model, optimizer, state, cfg, env, extra):
 
 
 def load_run(cfg, env, fine_tuning=False):
-    """The checkpoint to resume from: out_dir/ckpt.pt, or the sharded folder's meta.pt (no
-    weights); a fine-tuning run's (LoRA or full) where finetune.py resumes, which refuses a
-    pretraining run first. A run resumes on the data it trained on: another --dataset is refused."""
+    """The checkpoint to resume from (ckpt.pt, or the shards' meta.pt; a fine-tuning run's for
+    finetune.py), on the data it trained on: another --dataset is refused."""
     kind = (checkpoints.LORA_RUN, checkpoints.MODEL) if fine_tuning else checkpoints.MODEL
     folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
     if parallel.sharded(cfg, env):
@@ -147,8 +137,7 @@ def load_run(cfg, env, fine_tuning=False):
 
 def restore_run(model, optimizer, ckpt, cfg, env):
     """Model and optimizer state into the built model, from `ckpt` or the sharded folder, and
-    float16's loss scale. A file without optimizer state (converted from shards, or merged) resumes
-    with a fresh AdamW state."""
+    float16's loss scale; a file without optimizer state (converted, or merged): a fresh AdamW."""
     if ckpt.get("scaler"):  # a float16 run's (others save an empty one, and load none)
         env.scaler.load_state_dict(ckpt["scaler"])
     if parallel.sharded(cfg, env):
@@ -163,9 +152,8 @@ def restore_run(model, optimizer, ckpt, cfg, env):
 
 
 def start_from(model, optimizer, ckpt, cfg, env):
-    """(the iteration the run starts at, its best validation loss so far) for the built model and
-    optimizer: a resumed run's state restored (ckpt from load_run), the weights of a checkpoint it
-    starts from loaded, or scratch (ckpt None)."""
+    """(the iteration the run starts at, its best validation loss): a resumed run's state restored
+    (ckpt from load_run), a checkpoint's weights, or scratch (None)."""
     if cfg.init_from == "resume":
         restore_run(model, optimizer, ckpt, cfg, env)
         env.print(f"resumed from iteration {ckpt['iter_num']}")

@@ -1,9 +1,7 @@
 """
-What a training run keeps besides its maths: `Run`, train.fit's books (the progress bar, the
-evaluations and the best validation loss, the checkpoints, Ctrl-C, a run that diverges, each
-iteration's row); out_dir/log.jsonl (mirrored to wandb and TensorBoard when asked); the summary
-printed as it starts; and the model FLOP utilisation (MFU) of every iteration: the training FLOPs of
-a token (METHOD 7) times tokens/s over the device's peak.
+What a training run keeps besides its maths: `Run`, train.fit's books; out_dir/log.jsonl (mirrored
+to wandb and TensorBoard when asked); the summary printed as it starts; and the model FLOP
+utilisation (MFU) of every iteration: a token's training FLOPs (METHOD 7) x tokens/s / the peak.
 """
 import json
 import math
@@ -25,12 +23,9 @@ from support.model_extras import depth_label
 
 class Run:
     """train.fit's books, from iteration `start` (a resumed run's) to max_iters (or stop_at): the
-    iterations as a tqdm bar; each evaluation printed and logged, the best validation loss; the
-    checkpoints fit saves (after each evaluation, and where Ctrl-C stops the run); each
-    iteration's loss, gradient norm, learning rate, tokens/s and MFU; a loss, gradient norm or
-    evaluation that is not finite stops the run before its weights are saved. `extra` goes into
-    every checkpoint. A context manager: the bar, the log and the Ctrl-C handler close however the
-    loop ends."""
+    tqdm bar, the evaluations and the best validation loss, the checkpoints (with `extra`), each
+    iteration's row; a loss, gradient norm or evaluation that is not finite stops the run before its
+    weights are saved. A context manager: the bar, log and Ctrl-C handler close at its end."""
 
     def __init__(self, model, cfg, env, extra, start=0, best_val_loss=float("inf")):
         raw = parallel.unwrap(model)
@@ -61,8 +56,7 @@ class Run:
         self.interrupt.close()
 
     def iterations(self):
-        """start..end, each once, or none for a resumed run that has done what it was asked; a run
-        that stops before its warm-up ends says so."""
+        """start..end once each (none if resumed and done); says so if it ends in the warm-up."""
         cfg = self.cfg
         if self.start >= self.end:
             self.env.print(f"{cfg.out_dir}/ is at iteration {self.start}: nothing left to train "
@@ -100,8 +94,7 @@ class Run:
         self.best_val_loss = min(self.best_val_loss, losses["val"])
 
     def save(self, model, optimizer, it):
-        """The checkpoint of iteration `it` (support/resume.py: atomic, one file or sharded), and the
-        loss curve."""
+        """The checkpoint of iteration `it` (resume.save_run: one file or shards), and loss.png."""
         state = dict(iter_num=it, best_val_loss=self.best_val_loss, wandb_id=self.log.wandb_id)
         resume.save_run(model, optimizer, state, self.cfg, self.env, self.extra)
         self.saved = it
@@ -133,19 +126,18 @@ class Run:
             self.log(row)
 
     def diverged(self, it, what, value):
-        """The one line that stops a run whose loss or gradient norm is not finite (NaN or inf),
-        before the weights it made are saved over the last good checkpoint; every rank stops (they
-        agree)."""
+        """The one line that stops a run whose loss or gradient norm is not finite, before its
+        weights are saved over the last good checkpoint; every rank stops (they agree)."""
         last = (f"the last checkpoint, of iteration {self.saved} in {self.cfg.out_dir}/, is left "
                 f"as it was: --init_from=resume goes on from it (a lower --learning_rate may avoid "
                 f"this)" if self.saved is not None else "no checkpoint was saved before it")
         return Diverged(f"training diverged: the {what} is {value} at iteration {it}; {last}")
 
 
-def start_over(out_dir):
+def start_over(out_dir, names=RUN_FILES):
     """--overwrite: remove every file the earlier run in out_dir wrote (RUN_FILES), so that none of
     them (its adapters, a merge, its results) passes for the new run's in sample.py or an export."""
-    for name in RUN_FILES:
+    for name in names:
         path = os.path.join(out_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):  # ckpt_sharded/, tensorboard/
             shutil.rmtree(path)
@@ -154,16 +146,13 @@ def start_over(out_dir):
 
 
 class RunLog:
-    """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0 and mirrored to
-    wandb and TensorBoard (out_dir/tensorboard) when asked. A fresh run starts a new file; a
-    resumed one keeps the rows up to its checkpoint (the evaluation at start_iter, not the training
-    rows a killed run wrote after it), hides those in TensorBoard too, and goes on with the wandb
-    run of its checkpoint, `wandb_id` (kept in every checkpoint, as log.wandb_id)."""
+    """A run's log: one JSON row per line in out_dir/log.jsonl, written by rank 0, mirrored to wandb
+    and TensorBoard when asked. A resumed run keeps the rows up to its checkpoint (not the training
+    rows a killed run wrote after it) and its checkpoint's wandb run."""
 
     def __init__(self, cfg, start_iter, master, config, wandb_id=None):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), master
-        self.wandb = self.tensorboard = None
-        self.wandb_id = wandb_id
+        self.wandb, self.tensorboard, self.wandb_id = None, None, wandb_id
         if master and os.path.exists(self.path):
             with open(self.path) as f:
                 rows = [line for line in f if line.strip() and start_iter > 0]
@@ -203,8 +192,7 @@ class RunLog:
 
 
 def summary(model, cfg, env, data):
-    """train.py's run in a few readable lines, printed as it starts (the full configs go into every
-    checkpoint)."""
+    """train.py's run in a few lines, printed as it starts (the full configs go in checkpoints)."""
     m, meta = model.cfg, prepare.load_meta(data)
     depth = depth_label(m)
     hyper = f", d_t {m.d_t}, S {m.time_freqs}, init {m.init}" if m.model_type == "diffeq" else ""
@@ -240,11 +228,9 @@ def gpu_peak(name):
 
 
 def peak_flops(env, given=0.0):
-    """The peak FLOP/s of one device for MFU, or None where no peak means much: `given` if set
-    (--peak_flops); a known GPU's bf16 peak when training in bf16; on another GPU (CUDA, MPS) the
-    best rate of an 8192^2 (CUDA) or 4096^2 (MPS) matmul in the run's dtype over half a second.
-    None on a CPU: its cores are shared with whatever else runs, and its float16 is emulated, so a
-    measured peak says little (MFU above 100% was seen)."""
+    """The peak FLOP/s of one device for MFU: `given` if set (--peak_flops); a known GPU's bf16 peak
+    in bf16; on another GPU a matmul's best rate in the run's dtype over half a second. None on a
+    CPU: shared cores and an emulated float16 make it say little."""
     if given > 0:
         return given
     if env.device.type == "cpu":
