@@ -296,6 +296,7 @@ MEMORY_SHAPES = {
 
 def memory_probe(cfg, argv):
     """Under torchrun: train.main on argv; prints the rise of this process's peak RSS and the plan."""
+    from support import memory  # (this module's memory() is another)
     with open("/proc/self/statm") as f:  # the RSS before training
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     resume.save_run = lambda *a, **k: None  # checkpoint writing and plotting: not the training peak
