@@ -104,6 +104,8 @@ def test_config_json_and_model_card(saved, tmp_path):
     for words in ("Neural ODE Transformers", f"{TINY['n_layer']} euler steps",
                   "2.5000 nats per token", "checkpoints.load_model(DIR)"):
         assert words in card
+    code = sorted(name for name in os.listdir(tmp_path) if name.endswith(".py"))  # what trust_remote_code runs
+    assert "model.py" in code and f"(model.py and {len(code) - 1} files)" in card
     # a checkpoint that records no training (no train_config, no source) says so, not "None."
     assert config["training"] is None
     assert f"## Training\n\nNot recorded in the checkpoint. Exported from `{saved['diffeq']}`." in card

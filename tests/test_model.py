@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import DiffEqFormer, ModelConfig, stage_times
-from support.model_extras import Context
+from support.model_extras import Context, Draw, attention_probs, sliding_window_mask
 from train import StepWeights
 
 from conftest import TINY, from_config_file
@@ -86,6 +86,18 @@ def test_materialized_model_refuses_other_depths_and_solvers():
         layers(tokens(), solver="rk4")
     with pytest.raises(ValueError, match="only ODE models"):
         layers.materialize(4)
+
+
+def test_a_materialised_model_comes_back_in_the_odes_mode():
+    """Materialising an ODE in eval mode (as sample.py, analyze.py, export.py do) gives layers in eval
+    mode: with dropout in the config, their logits are the ODE's, the same every call; materialising
+    one in training gives layers in training, whose dropout acts."""
+    model, idx = randomized(tiny(dropout=0.3)).eval(), tokens()
+    layers = model.materialize(4)
+    assert (layers(idx)[0] - model(idx, steps=4)[0]).abs().max() < 1e-5
+    assert torch.equal(layers(idx)[0], layers(idx)[0])
+    training = model.train().materialize(4)
+    assert not torch.allclose(training(idx)[0], training(idx)[0])
 
 
 @pytest.mark.parametrize("solver", ["euler", "rk4"])
@@ -343,7 +355,8 @@ def test_zero_offsets_and_the_reference_time_scale_change_nothing():
 
 
 def test_offsets_move_each_euler_step_back_inside_its_step():
-    """offsets_k in [0, 1): step k uses W((k + 1 - offsets_k) / N)."""
+    """offsets_k in [0, 1): step k uses W((k + 1 - offsets_k) / N); Euler's alone, one per step (a
+    midpoint or RK4 step has stages at several times, which one offset per step does not say how to move)."""
     model = randomized(tiny())
     offsets = torch.tensor([0.5, 0.0, 0.25])
     w = StepWeights(model, 3, "euler", offsets, grad=False).weights
@@ -351,6 +364,9 @@ def test_offsets_move_each_euler_step_back_inside_its_step():
         assert torch.allclose(w[k]["fc"][0], model.hyper(torch.tensor([t]))["fc"][0][0], atol=1e-6)
     with pytest.raises(ValueError, match="one offset per step"):
         StepWeights(model, 3, "euler", torch.zeros(2), grad=False)
+    for solver in ("midpoint", "rk4"):
+        with pytest.raises(ValueError, match="offsets need the euler solver"):
+            StepWeights(model, 3, solver, torch.zeros(3), grad=False)
 
 
 def smooth_model():
@@ -445,10 +461,24 @@ def test_causality(model_type, flavor):
     (dict(n_layer=0), "n_layer=0 must be at least 1"),
     (dict(solver="rk45"), "solver='rk45' is not one of"),
     (dict(flavor="llama", n_embd=30, n_head=2), "RoPE needs an even head size"),
+    (dict(time_freqs=0), "time_freqs=0 must be at least 1"),  # e(t) = [t] alone, no sinusoid
+    (dict(time_scale=0.0), "time_scale=0.0 must be positive"),  # e(t) constant but for t
+    (dict(dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),  # every activation dropped
 ])
 def test_bad_configs_fail_at_construction(overrides, message):
     with pytest.raises(ValueError, match=message):
         DiffEqFormer(tiny(**overrides))
+
+
+def test_a_tokenizer_vocabulary_as_large_as_the_embedding_is_accepted_and_masks_nothing():
+    """tokenizer_vocab = vocab_size (a vocabulary that needed no padding) is in its range 0..vocab_size:
+    no row is masked, the logits are those of tokenizer_vocab=0; one row more is refused."""
+    masked = randomized(tiny(tokenizer_vocab=TINY["vocab_size"])).eval()
+    plain = randomized(tiny()).eval()
+    logits, _ = masked(tokens())
+    assert logits.isfinite().all() and torch.equal(logits, plain(tokens())[0])
+    with pytest.raises(ValueError, match="tokenizer_vocab=97 must be in 0..vocab_size=96"):
+        tiny(tokenizer_vocab=TINY["vocab_size"] + 1)
 
 
 @pytest.mark.parametrize("steps", [0, -1, 2.5, 10 ** 6, True])  # True: a bool, not 1 step
@@ -473,6 +503,42 @@ def test_weights_made_for_another_depth_are_refused(model_type, made, message):
     other = mine[:2] if made is None else model.step_weights(*made)
     with pytest.raises(ValueError, match=f"^{message}$"):
         model(idx, steps=3, solver="euler", weights=other)
+
+def test_attention_probabilities_without_a_mask_are_the_ones_sdpa_weights_the_values_with():
+    """attention_probs(q, k) with no mask is is_causal's mask, top-left aligned when there are more
+    keys than queries (S > T): times the values it is scaled_dot_product_attention's output."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, 8, generator=g, dtype=torch.float64) for T in (4, 7, 7))
+    probs = attention_probs(q, k)
+    assert probs.shape == (2, 3, 4, 7) and torch.allclose(probs.sum(-1), torch.ones(2, 3, 4, dtype=torch.float64))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (probs @ v - expected).abs().max() < 1e-12
+
+
+def test_a_sliding_window_mask_per_sequence_is_each_rows_mask_for_every_head():
+    """Positions per sequence (B, T) give a (B, 1, T, S) mask: row b is the mask of row b's positions
+    alone, the same for every head; each query sees itself and the window - 1 keys before it."""
+    pos = torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]])
+    mask = sliding_window_mask(pos, pos, 3)
+    assert mask.shape == (2, 1, 5, 5)
+    for b in range(2):
+        assert torch.equal(mask[b, 0], sliding_window_mask(pos[b], pos[b], 3))
+    assert mask[0, 0, 4].tolist() == [False, False, True, True, True]
+
+
+def test_a_large_parameters_blocks_of_rows_are_drawn_apart_and_each_process_draws_its_rows_alone():
+    """init_weights' draws come in blocks of whole rows (about 2^20 values each): the blocks of a large
+    parameter are not copies of one another, and a process that holds rows [a, b) of it (an FSDP2
+    shard, Draw's `local`) fills them with the values of the whole parameter's draw."""
+    whole = torch.empty(2500, 1024)  # blocks of 1024 rows: two whole ones and a part
+    Draw(7)("hyper.fc.A_W", whole, 1.0)
+    assert whole.std().item() == pytest.approx(1.0, rel=0.01)
+    assert not torch.allclose(whole[:1024], whole[1024:2048]) and not torch.allclose(whole[:452], whole[2048:])
+    for a, b in ((0, 1000), (1000, 2500), (1500, 2100)):
+        held = torch.zeros(2500, 1024)
+        Draw(7, lambda p: (p[a:b], a))("hyper.fc.A_W", held, 1.0)
+        assert torch.equal(held[a:b], whole[a:b]) and not held[:a].any() and not held[b:].any()
+
 
 def test_too_long_sequence_fails_clearly():
     with pytest.raises(ValueError, match="longer than block_size=32"):

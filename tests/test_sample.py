@@ -16,6 +16,7 @@ import sample
 from support.configurator import UserError
 from model import DiffEqFormer, ModelConfig
 from sample import generate, sample_next
+from support.model_extras import Context
 
 from conftest import ROOT, TINY, no_work, tokenizer_or_skip, without_work
 
@@ -224,8 +225,24 @@ def test_decoding_needs_caches_set_up_for_its_steps():
     state = sample.setup_caches(model, 1, 8, 3, "euler")
     with pytest.raises(ValueError, match="4 euler steps need 4 KV caches, got 3"):
         model(prompt(1, B=1), steps=4, context=state.context(torch.tensor([0])))
+    with pytest.raises(ValueError, match="2 euler steps need 2 KV caches, got 3"):  # too many: another depth's
+        model(prompt(1, B=1), steps=2, context=state.context(torch.tensor([0])))
     with pytest.raises(ValueError, match="9 tokens do not fit KV caches of 8 positions"):
         sample.prefill(model, prompt(9, B=1), torch.arange(9), state)
+
+
+def test_a_pass_through_kv_caches_longer_than_the_context_is_refused_before_it_writes_them():
+    """A Llama-flavour model reads a sequence longer than block_size without a cache (its sliding
+    window), but through KV caches of block_size slots those tokens would overflow them: refused
+    before any key or value is written."""
+    model, T = random_model("diffeq", "llama"), BLOCK + 1
+    state = sample.setup_caches(model, 2, BLOCK, 3, "euler")
+    pos = torch.arange(T)
+    context = Context(pos, torch.ones(T, T, dtype=torch.bool).tril(), state.caches, pos)
+    with pytest.raises(ValueError, match=f"^sequence of length {T} is longer than block_size={BLOCK}$"):
+        model(prompt(T), context=context)
+    assert not any(cache.k.any() or cache.v.any() for cache in state.caches)
+    assert model(prompt(T))[0].shape == (2, T, TINY["vocab_size"])  # without the caches: read
 
 
 @pytest.mark.parametrize("model_type,flavor,solver", [("diffeq", "llama", "euler"), ("diffeq", "gpt", "rk4"),

@@ -491,6 +491,22 @@ def test_dropout_masks_change_from_iteration_to_iteration_and_repeat_for_the_sam
     assert torch.equal(masks_at(1), first)
 
 
+def test_an_evaluation_hands_the_model_back_in_training_mode():
+    """fit evaluates between training steps: evaluate's passes run in eval mode (the loss of the weights
+    themselves, no dropout), and the model comes back in training mode, so that the steps after an
+    evaluation drop out as the ones before it did."""
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8,
+                                     d_t=4, time_freqs=4, dropout=0.5)).train()
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    batches = {"val": types.SimpleNamespace(get=lambda it, i: (x, x))}
+    losses = train.evaluate(model, batches, train.TrainConfig(eval_iters=2),
+                            common.Env(torch.device("cpu"), torch.float32))
+    with torch.no_grad():
+        assert model(x, x)[1].item() != model(x, x)[1].item()  # dropout acts again
+        assert losses["val"] == pytest.approx(model.eval()(x, x)[1].item(), rel=1e-6)
+
+
 # -- float16 with loss scaling (torch.amp.GradScaler), on the CPU: CUDA's path, with CPU kernels ---
 
 def float16_step(model, optimizer, cfg, env, it=0, overflow=False):
