@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import analyze
-from support import checkpoints
+from support import analysis, checkpoints
 from support.configurator import UserError, run_main
 from model import DiffEqFormer, ModelConfig, attention, norm, rope_tables, stage_times
 
@@ -232,6 +232,30 @@ def test_count_clusters():
     assert analyze.count_clusters(directions, 0.99) == 3
     assert analyze.count_clusters(np.vstack([directions[::3], -directions[::3]]), 0.99) == 2  # antipodal: two
     assert analyze.count_clusters(g.standard_normal((40, 3)), 0.99) > 30
+    assert analyze.count_clusters(np.eye(3), 0.0) == 1  # a cosine of exactly the threshold links
+    assert analyze.count_clusters(np.eye(3), 1e-9) == 3
+
+
+def test_each_euler_step_of_the_particles_takes_the_weights_at_its_end():
+    """simulate_particles against the equations written out particle by particle: x_i += h sum_j
+    softmax_j(<Q x_i, K x_j>) V x_j with Q, K, V = f(t_{k+1}) (Q0, K0, V0), f = t^2 (METHOD 2's weights at the end
+    of each step), with no projection, and with the projection onto the sphere after each step."""
+    g = np.random.default_rng(1)
+    x0, (Q0, K0, V0), steps = g.uniform(-1, 1, (5, 3)), g.standard_normal((3, 3, 3)), 4
+    for sphere in (False, True):
+        x = x0 / np.linalg.norm(x0, axis=-1, keepdims=True) if sphere else x0
+        for k in range(steps):
+            f = ((k + 1) / steps) ** 2
+            Q, K, V = f * Q0, f * K0, f * V0
+            new = []
+            for i in range(len(x)):
+                scores = np.array([(Q @ x[i]) @ (K @ x[j]) for j in range(len(x))])
+                weights = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
+                new.append(x[i] + sum(weights[j] * (V @ x[j]) for j in range(len(x))) / steps)
+            x = np.array(new)
+            if sphere:
+                x = x / np.linalg.norm(x, axis=-1, keepdims=True)
+        assert np.allclose(analyze.simulate_particles(x0, Q0, K0, V0, 2, steps, sphere)[-1], x, rtol=1e-12), sphere
 
 
 def test_shared_weights_cluster_on_the_sphere_and_a_t4_schedule_does_not():
@@ -285,13 +309,25 @@ def test_all_modes_write_their_outputs(tiny_checkpoint, tmp_path, capsys):
     assert page.count("<span title=") == 2 * 27  # one span per byte token, in each of the two rows
     printed = capsys.readouterr().out
     assert "spectral radius" in printed and "most steer" in printed and "f = t^4" in printed
+    for name in ("qk", "ov", "ffn"):  # an ODE's table: each product's radius over the curve's 9 times too
+        radius = np.abs(spectral[name]).reshape(9, -1).max(axis=1)
+        assert f"; over all 9 times: {radius.min():.4g} .. {radius.max():.4g}\n" in printed, name
 
 
-def test_spectral_of_a_layer_model_goes_layer_by_layer(tmp_path):
+def test_spectral_of_a_layer_model_goes_layer_by_layer(tmp_path, capsys, monkeypatch):
+    """Its arrays, table and figures have layers, and no times: no range "over all times" in the table, and no
+    forward pass's grid t_k = (k+1)/N in the figures' titles."""
+    from support import plots
+    titles, save_figure = [], plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: titles.append(fig._suptitle.get_text())
+                        or save_figure(fig, path))
     path = save_checkpoint(tmp_path / "gpt.pt", randomized(model_type="baseline", vocab_size=256))
     analyze.main(["--spectral", f"--init_from={path}", f"--out={tmp_path}"])
     spectral = np.load(tmp_path / "spectral.npz")
     assert list(spectral["layer"]) == [1, 2, 3] and spectral["ov"].shape == (3, 2, 16) and "t" not in spectral
+    printed = capsys.readouterr().out
+    assert "layer by layer:" in printed and "over all" not in printed
+    assert len(titles) == 3 and all(title.endswith("(baseline, gpt, N = 3)") for title in titles), titles
 
 
 @pytest.mark.parametrize("case,match", [
@@ -304,6 +340,7 @@ def test_spectral_of_a_layer_model_goes_layer_by_layer(tmp_path):
     ("gpt --steps", r"g.pt: a baseline \(gpt\) model has 3 fixed layers and runs them with euler only, not 6 "),
     ("gpt --times", "--times applies only to an ODE checkpoint"),
     ("bad option", "--dim"),
+    ("cluster_cos -1", r"--cluster_cos=-1.0 must be in \(-1, 1\)"),  # every pair linked: one cluster
 ])
 def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path, monkeypatch):
     out = f"--out={tmp_path / 'out'}"
@@ -320,6 +357,7 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path, monkeypatch
         "gpt --steps": ["--lyapunov", "--init_from=" + save_checkpoint(tmp_path / "g.pt", gpt), "--steps=6"],
         "gpt --times": ["--spectral", "--init_from=" + save_checkpoint(tmp_path / "g.pt", gpt), "--times=50"],
         "bad option": ["--cluster", "--dim=2"],
+        "cluster_cos -1": ["--cluster", "--cluster_cos=-1"],
     }[case]
     no_work(monkeypatch, analyze, "cluster", "spectral", "lyapunov")
     with pytest.raises(UserError, match=match):
@@ -328,12 +366,12 @@ def test_errors_are_one_line(case, match, tiny_checkpoint, tmp_path, monkeypatch
 
 
 def test_the_spectral_times_are_bounded_before_any_work(tmp_path, monkeypatch, capsys):
-    """--spectral --times=100000000 was accepted: 6 h 48 min for a tiny model. At most MAX_TIMES (10,000,
-    accepted), refused in one line before the checkpoint is read."""
+    """--spectral --times=100000000 was accepted: 6 h 48 min for a tiny model. At least 2 and at most MAX_TIMES
+    (10,000, accepted), refused in one line before the checkpoint is read."""
     from test_faults import one_line
     monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("work began"))
     assert analyze.AnalyzeConfig(spectral=True, times=10_000).times == 10_000  # the bound
-    for times in (10_001, 100_000_000):
+    for times in (1, 10_001, 100_000_000):  # one point is no curve
         line = one_line(analyze.main, ["--spectral", f"--times={times}", f"--out={tmp_path / 'out'}"], capsys,
                         monkeypatch)
         assert line == f"error: need --steps >= 0, --times in 2..10,000 and --top >= 1, got 0, {times}, 10"
@@ -359,3 +397,21 @@ def test_the_default_prompt_fits_a_short_context(tiny_checkpoint, tmp_path, caps
     with pytest.raises(UserError, match="the prompt is 91 tokens, longer than the model's context"):
         analyze.main(["--lyapunov", f"--init_from={tiny_checkpoint}", f"--out={tmp_path}",
                       f"--prompt={analyze.DEFAULT_PROMPT}"])
+
+
+def test_times_plays_no_part_in_the_lyapunov_analysis_of_a_model_of_layers(tmp_path):
+    """--times is refused for the spectra of a model of layers only: --lyapunov --times=50 on a GPT gives what
+    --lyapunov alone gives."""
+    gpt = save_checkpoint(tmp_path / "g.pt", randomized(model_type="baseline", vocab_size=256, block_size=48))
+    for out, times in (("a", []), ("b", ["--times=50"])):
+        analyze.main(["--lyapunov", f"--init_from={gpt}", f"--out={tmp_path / out}", "--prompt=ROMEO:", *times])
+    a, b = (np.load(tmp_path / out / "lyapunov.npz") for out in "ab")
+    assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_the_lyapunov_list_names_the_tokens_of_the_largest_scores_first():
+    scores, attention = np.array([0.3, -1.0, 2.5, 0.7, 0.1]), np.linspace(0.1, 0.5, 5)
+    lines = analysis.top_tokens(list("abcde"), scores, attention, 3)
+    assert lines[0] == "the 3 input tokens that most steer the prediction after 'e':"
+    assert [int(line.split()[1]) for line in lines[1:]] == sorted(range(5), key=lambda i: -scores[i])[:3] == [2, 3, 0]
+    assert lines[1].split()[2:] == ["'c'", "score", "2.5000", "attention", "0.3000"]

@@ -323,6 +323,10 @@ def test_a_binary_prompt_file_is_one_line(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--seed=-1"], "error: --seed=-1 must be a whole number in 0..4294967295"),
     (["--warmup_frac=2"], "error: warmup_frac=2.0 must be in [0, 1]"),
+    (["--min_lr_ratio=1.5"], "error: min_lr_ratio=1.5 must be in [0, 1]"),  # a schedule that ends above its peak
+    (["--eval_iters=0"], "error: eval_iters=0 must be at least 1"),  # every evaluation a mean of nothing
+    (["--stop_at=-1"], "error: stop_at=-1 must not be negative"),
+    (["--learning_rate=0"], "error: learning_rate=0.0 and eps=1e-08 must be positive"),  # weights that never move
     (["config/"], "error: config/ is a folder, not a config file: name one of its files"),
 ])
 def test_a_bad_setting_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, argv, message):

@@ -238,6 +238,8 @@ def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakesp
     finetune.main([*shared, "--init_from=resume", "--lora_rank=2", f"--out_dir={tmp_path / 'b'}"])  # settings from the run
     straight, resumed = losses("a"), losses("b")
     assert sorted(resumed) == list(range(8))
+    results = json.load(open(tmp_path / "b" / "results.json"))  # a rank for LoRA's adapters only
+    assert (results["lora"], results["lora_rank"]) == ((True, 8) if lora else (False, None))
     for it in range(4, 8):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
     if lora:
@@ -337,6 +339,37 @@ def test_merge_never_writes_over_the_adapters_base_nor_an_earlier_merge_without_
     assert checkpoints.load(str(ch / "merged.pt"))["merged_from"] == round1 != merged["merged_from"]
 
 
+def test_merge_never_writes_over_a_base_named_by_a_relative_path_or_a_link(tmp_path, monkeypatch):
+    """Round 2's adapters beside round 1's merged.pt, their base, given as --merge_base=merged.pt from their folder
+    or through a link elsewhere: the same file as the merge's output, refused whatever --overwrite says, before the
+    merge."""
+    ode, ch = random_ode(), tmp_path / "ch"
+    ch.mkdir()
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()),
+                     str(ch / "base.pt"))
+    finetuning.merge_file(adapters_beside(ch / "base.pt", ch / "adapters.pt"))
+    adapters_beside(ch / "merged.pt", ch / "adapters-round2.pt")
+    os.symlink(ch / "merged.pt", tmp_path / "link.pt")
+    before = (ch / "merged.pt").read_bytes()
+    monkeypatch.chdir(ch)
+    no_work(monkeypatch, checkpoints, "load_model")
+    for base in ("merged.pt", str(tmp_path / "link.pt")):
+        with pytest.raises(UserError, match=f"^--merge=adapters-round2.pt would write {ch / 'merged.pt'} over their "
+                                            f"base: move the adapters file into a folder of its own"):
+            finetune.main(["--merge=adapters-round2.pt", f"--merge_base={base}", "--overwrite"])
+    assert (ch / "merged.pt").read_bytes() == before
+
+
+def test_a_merge_keeps_the_tokenizer_of_its_base(tmp_path):
+    """Adapters on a base of GPT-2 tokens: merged.pt is a checkpoint of GPT-2 tokens too (sample.py decodes with
+    the tokenizer a checkpoint names)."""
+    ode = random_ode(vocab_size=50304)
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict(),
+                          tokenizer="gpt2"), str(tmp_path / "base.pt"))
+    merged = checkpoints.load(finetuning.merge_file(adapters_beside(tmp_path / "base.pt", tmp_path / "adapters.pt")))
+    assert merged["tokenizer"] == "gpt2" and merged["model_config"]["vocab_size"] == 50304
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--solver=rk4"], "--solver=rk4: a materialised model is the Euler discretisation"),
     (["--n_layer=9"], "--n_layer: the fine-tuned depth is --steps N"),
@@ -358,6 +391,21 @@ def test_dropout_and_activation_checkpointing_reach_the_fine_tuned_model(tmp_pat
     base, _ = checkpoints.load_model(str(path), dropout=0.2, checkpoint=True)
     model = lora.at_depth(base, 4, str(path))
     assert (model.cfg.dropout, model.cfg.checkpoint, model.cfg.n_layer) == (0.2, True, 4)
+
+
+def test_a_fine_tuning_keeps_the_dropout_and_checkpointing_of_its_base_unless_given(tmp_path, shakespeare):
+    """A base saved with dropout 0.1 and activation checkpointing: a fine-tuning run without --dropout or
+    --checkpoint keeps both (not the config's defaults, 0.0 and off); --dropout=0 changes the one given only."""
+    ode = random_ode(vocab_size=256, dropout=0.1, checkpoint=True)
+    base = tmp_path / "base.pt"
+    checkpoints.save(dict(kind=checkpoints.MODEL, model_config=ode.cfg.to_dict(), model=ode.state_dict()), str(base))
+    args = [*SHORT, f"--init_from={base}", f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}"]
+    finetune.main([*args, f"--out_dir={tmp_path / 'kept'}"])
+    finetune.main([*args, "--dropout=0", f"--out_dir={tmp_path / 'given'}"])
+    kept, given = (checkpoints.load(str(tmp_path / out / "ckpt.pt"), kind=checkpoints.LORA_RUN)["model_config"]
+                   for out in ("kept", "given"))
+    assert (kept["dropout"], kept["checkpoint"]) == (0.1, True)
+    assert (given["dropout"], given["checkpoint"]) == (0.0, True)
 
 
 def test_resuming_a_pretraining_run_as_a_fine_tuning_says_what_it_is_first(tmp_path, capsys, monkeypatch):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from support import checkpoints, common, memory, parallel, runlog
+from support import checkpoints, common, launch, memory, parallel, runlog
 from support.weightgen import iteration_steps, times
 import train
 from support.configurator import ConfigError, UserError, coerce, parse_config
@@ -291,6 +291,50 @@ def test_resume_continues_exactly(tmp_path, shakespeare, capsys, monkeypatch):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
 
 
+def test_a_run_from_a_checkpoint_takes_the_solver_given_and_the_first_positions_of_a_shorter_context(
+        tmp_path, shakespeare, monkeypatch):
+    """--init_from=CKPT --solver=rk4 --block_size=16 on a run of 32 learned positions: the new run computes
+    with rk4 and starts from the checkpoint's first 16 positions (nanoGPT's crop_block_size), as its first
+    iteration's model shows."""
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1")
+    path = str(tmp_path / "out" / "ckpt.pt")
+    start, fit, started = checkpoints.load(path), train.fit, []
+
+    def spy(model, *args):
+        started.append((parallel.unwrap(model).cfg, parallel.unwrap(model).wpe.weight.detach().clone()))
+        return fit(model, *args)
+    monkeypatch.setattr(train, "fit", spy)
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1", f"--init_from={path}",
+        "--solver=rk4", "--block_size=16", out="short")
+    [(cfg, wpe)] = started
+    assert (cfg.solver, cfg.block_size) == ("rk4", 16) and start["model_config"]["block_size"] == 32
+    assert torch.equal(wpe, start["model"]["wpe.weight"][:16])
+    assert checkpoints.load(str(tmp_path / "short" / "ckpt.pt"))["model_config"]["solver"] == "rk4"
+
+
+def test_a_tokenizer_given_for_a_run_from_a_checkpoint_must_be_the_checkpoints(tmp_path, shakespeare,
+                                                                              monkeypatch):
+    """--init_from=CKPT --tokenizer=gpt2 on a checkpoint of byte tokens is refused, before it trains: the
+    user's tokenizer is checked, not replaced by the checkpoint's."""
+    tokenizer_or_skip("gpt2")
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1")
+    no_work(monkeypatch, train, "fit")
+    with pytest.raises(UserError, match=r"^the checkpoint was trained on byte tokens \(vocabulary 256\); the data "
+                                        r"is gpt2 tokens: use --tokenizer=byte$"):
+        run(tmp_path, f"--input_file={shakespeare}", f"--init_from={tmp_path / 'out' / 'ckpt.pt'}",
+            "--tokenizer=gpt2", out="other")
+    assert not (tmp_path / "other" / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("size", [256, 320])  # the byte tokenizer's own 256, and more
+def test_a_vocab_size_given_is_the_runs_down_to_the_tokenizers_own(tmp_path, shakespeare, size):
+    """--vocab_size=N with bytes: N rows, the ones past the tokenizer's 256 padding (tokenizer_vocab=256);
+    exactly 256 needs no padding."""
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1", f"--vocab_size={size}")
+    cfg = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["model_config"]
+    assert (cfg["vocab_size"], cfg["tokenizer_vocab"]) == (size, 0 if size == 256 else 256)
+
+
 def test_the_checkpoint_keeps_the_best_validation_loss_when_it_rises(tmp_path, shakespeare,
                                                                     monkeypatch):
     """ckpt.pt's best_val_loss (export's "best of its run" in config.json and the model card) is the
@@ -323,6 +367,16 @@ def test_accumulation_is_rounded_up_to_a_multiple_of_the_processes_once(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("gradient_accumulation_steps=3 rounded up to 4, a multiple of the 2 processes") == 1
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["train_config"]["gradient_accumulation_steps"] == 4
+
+
+@pytest.mark.parametrize("world,accum,rounded", [(2, 3, 4), (3, 4, 6), (4, 5, 8), (4, 8, 8), (8, 1, 8)])
+def test_accumulation_is_rounded_up_to_the_next_multiple_of_any_process_count(monkeypatch, capsys, world, accum,
+                                                                              rounded):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    cfg = launch.check_launch(train.TrainConfig(gradient_accumulation_steps=accum), ModelConfig())
+    assert cfg.gradient_accumulation_steps == rounded
+    said = f"gradient_accumulation_steps={accum} rounded up to {rounded}, a multiple of the {world} processes"
+    assert (said in capsys.readouterr().out) == (accum != rounded)
 
 
 def test_run_main_keeps_the_traceback_of_errors_that_are_not_the_users(monkeypatch, capsys):
@@ -701,12 +755,15 @@ def test_tensorboard_mirrors_the_log_and_hides_what_a_killed_run_logged(tmp_path
 
 
 def test_a_missing_optional_package_is_one_line(monkeypatch):
+    """In train.py and in finetune.py, whose launch checks are train.py's."""
+    import finetune
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     no_work(monkeypatch, common, "setup")
     for package in ("tensorboard", "wandb"):
         message = f"^--{package} needs the {package} package: pip install {package}$"
-        with pytest.raises(ConfigError, match=message):
-            train.main([f"--{package}"])
+        for main in (train.main, finetune.main):
+            with pytest.raises(ConfigError, match=message):
+                main([f"--{package}"])
 
 
 # -- distributed, on CPU with gloo -----------------------------------------------------------------
@@ -795,6 +852,31 @@ def test_any_depth_options_are_refused_for_a_model_with_fixed_layers(monkeypatch
         train.main(["--model_type=baseline", "--train_steps=3-9"])
     with pytest.raises(ConfigError, match="train_steps='9-3': use a whole number or a range like 3-9"):
         parse_config(["--train_steps=9-3"], ModelConfig, train.TrainConfig)
+
+
+@pytest.mark.parametrize("argv", [["--model_type=shared"], ["--model_type=baseline"], ["--no-generate_once"]])
+def test_time_jitter_is_refused_where_no_weights_are_generated_once_per_step(argv, monkeypatch):
+    no_work(monkeypatch, common, "setup")
+    with pytest.raises(ConfigError, match="^--time_jitter moves the times at which a diffeq model's weights are "
+                                          "generated once per optimizer step: it needs model_type=diffeq and "
+                                          "--generate_once"):
+        train.main(["--time_jitter", *argv])
+
+
+def test_any_depth_options_are_refused_for_a_checkpoint_with_fixed_layers_before_it_trains(tmp_path, shakespeare,
+                                                                                          monkeypatch):
+    """The model type of a resumed run, or of a run from a checkpoint, is the checkpoint's: --train_steps and
+    --time_jitter are checked against it (the command line's default, diffeq, takes them)."""
+    run(tmp_path, f"--input_file={shakespeare}", "--model_type=baseline", "--max_iters=2", "--eval_interval=1",
+        "--stop_at=1")
+    no_work(monkeypatch, train, "fit")
+    for start in (["--init_from=resume"], [f"--init_from={tmp_path / 'out' / 'ckpt.pt'}", "--max_iters=2"]):
+        out = "out" if start == ["--init_from=resume"] else "other"
+        with pytest.raises(UserError, match=r"^--train_steps=1-3: a baseline \(gpt\) model has 2 fixed layers"):
+            run(tmp_path, f"--input_file={shakespeare}", *start, "--train_steps=1-3", out=out)
+        with pytest.raises(ConfigError, match="^--time_jitter moves the times at which a diffeq model's weights"):
+            run(tmp_path, f"--input_file={shakespeare}", *start, "--time_jitter", out=out)
+    assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
 
 
 def test_depth_table_on_a_checkpoint(tmp_path, shakespeare):
