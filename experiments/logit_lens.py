@@ -87,7 +87,8 @@ def main(argv):
             out = model(prompt, output_hidden_states=True)
             read = lens(model, out.hidden_states)
             answer_p = [lp[0, -1, answer[0]].exp().item() for lp in read]
-            agree = (read[-1] - out.logits.log_softmax(-1)).abs().max()
+            own = out.logits[..., :read[-1].size(-1)]  # a padded vocabulary's rows: -inf
+            agree = (read[-1] - own.log_softmax(-1)).abs().max()
             read = model(windows[:, :-1], output_hidden_states=True).hidden_states
             next_p = [lp.gather(-1, windows[:, 1:, None]).exp().mean().item()
                       for lp in lens(model, read)]

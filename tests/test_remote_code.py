@@ -1099,15 +1099,18 @@ def lens_text(folder):
     return tokenizer(open(logit_lens.TEXT).read()[-20000:])["input_ids"]
 
 
-@pytest.mark.parametrize("flavor", ["gpt", "llama"])
-def test_the_logit_lens_reads_the_head_at_every_state(flavor, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("flavor,vocab", [("gpt", 256), ("llama", 256), ("gpt", 320)],
+                         ids=["gpt", "llama", "gpt-padded-vocabulary"])
+def test_the_logit_lens_reads_the_head_at_every_state(flavor, vocab, tmp_path, capsys, monkeypatch):
     """experiments/logit_lens.py: at every t_k the probability of the answer is the softmax of the
     head (a Llama's own, untied) on the state after the final norm; at t = 1 the model's own, for
     the answer and for the next token of every window, at t = 0 the embedding's; the figure draws
-    the answer's in its left panel, the next token's in its right."""
+    the answer's in its left panel, the next token's in its right. A vocabulary padded past the
+    tokenizer's 256 bytes (as GPT-2's 50257 to 50304) gives its padding rows no probability."""
     from experiments import logit_lens
     from test_sample import random_model, save_model
-    ours = random_model(flavor=flavor, vocab_size=256, block_size=32).float()
+    ours = random_model(flavor=flavor, vocab_size=vocab, tokenizer_vocab=256 if vocab > 256 else 0,
+                        block_size=32).float()
     folder = str(tmp_path / "folder")
     export.export(save_model(tmp_path / "ode.pt", ours), folder)
     figures, save = [], logit_lens.plots.save_figure
@@ -1133,7 +1136,7 @@ def test_the_logit_lens_reads_the_head_at_every_state(flavor, tmp_path, capsys, 
             assert p[-1] == pytest.approx(last.item(), rel=1e-5)
             own = ours(windows[:, :-1], steps=3, solver=solver)[0].softmax(-1)
             assert next_p[-1] == pytest.approx(own.gather(-1, windows[:, 1:, None]).mean().item(), rel=1e-5)
-        first = F.linear(ours.ln_f(embedded(ours, idx)), head)[0, -1].softmax(-1)[ord(":")]
+        first = F.linear(ours.ln_f(embedded(ours, idx)), head)[0, -1, :256].softmax(-1)[ord(":")]
         assert p[0] == pytest.approx(first.item(), rel=1e-5)
     (figure,) = figures
     for panel, name in zip(figure.axes, ("answer", "next_token")):  # each solver's line
