@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from support import plots
+import prepare
+from support import checkpoints, plots
 from support.configurator import UserError, make_dir, parse_config, run_main
 from model import SOLVERS
 from support.model_extras import check_step_count
@@ -56,6 +57,11 @@ def lens(model, hidden_states):
 
 def main(argv):
     cfg, _ = parse_config(argv, LensConfig)
+    if os.path.isdir(cfg.init_from):  # (else a Hub id): an export, with its tokenizer
+        checkpoints.read_config(cfg.init_from)  # a run's folder: a UserError
+        if not os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
+            raise UserError(f"{cfg.init_from} has no tokenizer.json: export the checkpoint "
+                            f"again (export.py writes it)")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError:
@@ -70,7 +76,10 @@ def main(argv):
     answer = tokenizer(cfg.answer)["input_ids"]
     if len(answer) != 1:
         raise UserError(f"--answer={cfg.answer!r} is {len(answer)} tokens: give one")
-    prompt = torch.tensor([tokenizer(cfg.prompt, verbose=False)["input_ids"]])
+    text = prepare.read_prompt(cfg.prompt)  # FILE:path: the file's text
+    prompt = torch.tensor([tokenizer(text, verbose=False)["input_ids"]])
+    if not prompt.numel():
+        raise UserError("the prompt is empty: give --prompt some text, or FILE:path")
     if prompt.size(1) > L:
         raise UserError(f"--prompt is {prompt.size(1)} tokens: the model reads at most {L}")
     ids = tokenizer(open(TEXT).read()[-20000:], verbose=False)["input_ids"]  # (longer than L)

@@ -1169,6 +1169,38 @@ def test_the_logit_lens_refuses_an_answer_of_other_than_one_token_or_too_many_wi
         assert not loaded.called and not (tmp_path / "lens").exists()
 
 
+
+@pytest.mark.parametrize("case", ["empty-prompt", "prompt-file", "run-folder", "no-tokenizer"])
+def test_the_logit_lens_refuses_an_empty_prompt_and_a_folder_that_is_no_export_in_one_line(
+        case, exported, tmp_path, monkeypatch):
+    """An empty prompt, a run's folder and an export without its tokenizer.json are refused in one
+    line before any model is loaded or anything written; FILE:path is the file's text (its 40
+    tokens are too many for a block of 32)."""
+    from experiments import logit_lens
+    loaded = mock.Mock(side_effect=RuntimeError("a model was loaded"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    folder, prompt = exported["diffeq"], "--prompt=ROMEO"
+    if case == "empty-prompt":
+        prompt, refused = "--prompt=", "the prompt is empty: give --prompt some text, or FILE:path"
+    elif case == "prompt-file":
+        (tmp_path / "prompt.txt").write_text("x" * 40)
+        prompt, refused = f"--prompt=FILE:{tmp_path / 'prompt.txt'}", \
+            "--prompt is 40 tokens: the model reads at most 32"
+    elif case == "run-folder":
+        folder = tmp_path / "out"
+        folder.mkdir()
+        (folder / "ckpt.pt").write_bytes(b"")
+        refused = (f"{folder} is a folder without config.json: not a model folder (export.py "
+                   f"writes one; a training run's checkpoint is its ckpt.pt)")
+    else:
+        folder = tmp_path / "export"
+        shutil.copytree(exported["diffeq"], folder)
+        (folder / "tokenizer.json").unlink()
+        refused = f"{folder} has no tokenizer.json: export the checkpoint again (export.py writes it)"
+    with pytest.raises(UserError, match=f"^{re.escape(refused)}$"):
+        logit_lens.main([f"--init_from={folder}", prompt, "--answer=:", f"--out={tmp_path / 'lens'}"])
+    assert not loaded.called and not (tmp_path / "lens").exists()
+
 # -- the folder's card and lm-eval's command ------------------------------------------------------
 
 def code_blocks(card, language):
