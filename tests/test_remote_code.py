@@ -986,7 +986,8 @@ def test_the_trajectory_carries_gradients(saved, exported):  # noqa: F811
 def test_automodel_and_feature_extraction_give_the_last_hidden_state(kind, saved, exported):  # noqa: F811
     """AutoModel loads the folder as its base model (every weight from the folder, as GPT2Model
     loads GPT-2's), whose last_hidden_state is the causal LM's last hidden state, the final norm of
-    X(1); pipeline("feature-extraction") gives it for a text."""
+    X(1); pipeline("feature-extraction") gives it for a text; output_attentions=True the causal
+    LM's attentions."""
     ours, _ = checkpoints.load_model(saved[kind])
     base = transformers.AutoModel.from_pretrained(exported[kind], trust_remote_code=True)
     assert type(base).__name__ == "DiffEqFormerModel" and not base.can_generate()
@@ -1002,6 +1003,10 @@ def test_automodel_and_feature_extraction_give_the_last_hidden_state(kind, saved
     assert out.hidden_states is None and torch.equal(out.last_hidden_state, last)
     torch.testing.assert_close(out.last_hidden_state, expected, rtol=1e-5, atol=1e-5)
     assert len(base(idx, output_hidden_states=True).hidden_states) == TINY["n_layer"] + 1
+    with torch.no_grad():  # the attentions, asked: the causal LM's, one (B, nh, T, T) an evaluation
+        attentions = base(idx, output_attentions=True).attentions
+        expected = auto(exported[kind])(idx, output_attentions=True).attentions
+    assert len(attentions) == TINY["n_layer"] and all(map(torch.equal, attentions, expected))
     extractor = transformers.pipeline("feature-extraction", model=exported[kind], trust_remote_code=True)
     assert type(extractor.model).__name__ == "DiffEqFormerModel"
     torch.testing.assert_close(torch.tensor(extractor("ROMEO:")), last, rtol=1e-6, atol=1e-6)
