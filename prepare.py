@@ -310,7 +310,7 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
                   f"from the same source; reusing it")
             return data_dir
 
-    make_dir(data_root, "data_root")  # a file in the way, or read-only: one line, before any work
+    make_dir(data_root, "data_root", own=True)  # a file in the way, or read-only: one line, before any work
     tok = get_tokenizer(tokenizer, choosable)
     # tokenised document by document, written in shards
     corpus = dataset == "openwebtext" and not paths

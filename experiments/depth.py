@@ -27,7 +27,7 @@ from tqdm import tqdm
 from support import checkpoints, common, plots
 import prepare
 import train
-from support.configurator import UserError, as_user_error, make_dir, parse_config, run_main
+from support.configurator import UserError, as_user_error, check_own_folder, make_dir, parse_config, run_main
 from model import SOLVERS, evaluations, rope_tables, vector_field
 from support.model_extras import Attend, check_step_count, time_dtype
 
@@ -46,6 +46,7 @@ class DepthConfig:
     seed: int = 1337
 
     def __post_init__(self):
+        check_own_folder(self.out, "out")  # before the checkpoint is read
         step_counts = self.step_counts()
         if not step_counts:
             raise ValueError(f"steps={self.steps!r}: give step counts, e.g. 3,6,12,24")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import prepare
 from support import checkpoints, plots
-from support.configurator import UserError, make_dir, parse_config, run_main
+from support.configurator import UserError, check_own_folder, make_dir, parse_config, run_main
 from model import SOLVERS
 from support.model_extras import check_step_count
 
@@ -37,6 +37,7 @@ class LensConfig:
     out: str = "out-lens"  # folder for logit_lens.png and logit_lens.json
 
     def __post_init__(self):
+        check_own_folder(self.out, "out")  # before the checkpoint is read
         check_step_count(self.steps)
         if not self.solver_names() or any(s not in SOLVERS for s in self.solver_names()):
             raise ValueError(f"solvers={self.solvers!r}: choose from {', '.join(SOLVERS)}")

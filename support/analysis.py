@@ -9,14 +9,16 @@ import numpy as np
 
 import prepare
 from support import plots
-from support.configurator import UserError, written
+from support.configurator import UserError, check_own_folder, written
 
 MAX_TIMES = 10_000  # --times: more points than a figure has pixels across (1,000 take 18 s on the
 # default checkpoint on the shared CPU; 100,000,000 took 6 h 48 min on a tiny model)
 
 
 def check_options(acfg):
-    """The rules of analyze.py's own options (its AnalyzeConfig): one ValueError."""
+    """The rules of analyze.py's own options (its AnalyzeConfig): one ValueError; an --out of the
+    project's own files, before a checkpoint is read: a UserError."""
+    check_own_folder(acfg.out, "out")
     if acfg.steps < 0 or not 2 <= acfg.times <= MAX_TIMES or acfg.top < 1:
         raise ValueError(f"need --steps >= 0, --times in 2..{MAX_TIMES:,} and --top >= 1, "
                          f"got {acfg.steps}, {acfg.times}, {acfg.top}")

@@ -85,8 +85,11 @@ def as_user_error(prefix, error=UserError):
         raise error(f"{prefix}{e}") from None
 
 
-def make_dir(path, flag):
-    """os.makedirs(path) for a folder a flag names, or one UserError when it cannot be written."""
+def make_dir(path, flag, own=False):
+    """os.makedirs(path) for a folder a flag names, or one UserError when it cannot be written or
+    holds the project's own files (check_own_folder; `own`: prepare.py's data/, seeds' record)."""
+    if not own:
+        check_own_folder(path, flag)
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")

@@ -451,9 +451,12 @@ def past_the_check(*args):
 def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anything_is_written(
         tmp_path, capsys, monkeypatch, out_dir, what):
     """--out_dir=. and --out_dir=data were accepted: a run wrote ckpt.pt, log.jsonl, loss.png and its lock into
-    the repository's root or among the shipped corpora. One rule (configurator.check_own_folder) for train.py,
-    finetune.py and export.py, before the lock or the data; a folder beside them is any user's."""
+    the repository's root or among the shipped corpora. One rule (configurator.check_own_folder) for every
+    script that writes (train.py, finetune.py, export.py, analyze.py, experiments.depth, experiments.logit_lens),
+    before the lock, the data or the checkpoint; a folder beside them is any user's."""
     from test_faults import one_line
+    from experiments import depth, logit_lens
+    import analyze
     import export
     import finetune
     before = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
@@ -462,11 +465,15 @@ def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anythin
     monkeypatch.setattr(common, "lock", past_the_check)
     monkeypatch.setattr(checkpoints, "load_model", past_the_check)
     expected = f"is {what}, whose files are the project's own: choose another"
-    for main, argv in ((train.main, [f"--out_dir={out_dir}"]), (export.main, [f"--out={out_dir}"]),
-                       (finetune.main, ["--steps=2", f"--init_from={base}", f"--out_dir={out_dir}"])):
-        line = one_line(main, [*argv, f"--data_root={tmp_path / 'data'}"] * (main != export.main) or argv, capsys,
-                        monkeypatch)
-        assert line.startswith(f"error: --{argv[-1][2:].partition('=')[0]}={out_dir} {expected}"), line
+    data = f"--data_root={tmp_path / 'data'}"
+    for main, argv in ((train.main, [f"--out_dir={out_dir}", data]), (export.main, [f"--out={out_dir}"]),
+                       (finetune.main, ["--steps=2", f"--init_from={base}", f"--out_dir={out_dir}", data]),
+                       (analyze.main, ["--all", f"--init_from={base}", f"--out={out_dir}"]),
+                       (depth.main, [f"--init_from={base}", f"--out={out_dir}"]),
+                       (logit_lens.main, [f"--init_from={base}", f"--out={out_dir}"])):
+        line = one_line(main, argv, capsys, monkeypatch)
+        flag = next(a for a in argv if a.startswith("--out")).partition("=")[0]
+        assert line.startswith(f"error: {flag}={out_dir} {expected}"), (main.__module__, line)
     assert (sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None) == before
     assert not (tmp_path / "data").exists()
 
@@ -487,6 +494,20 @@ def test_a_link_to_the_projects_own_files_is_refused_as_out_dir(tmp_path, capsys
             f"error: --out_dir={out_dir} is {what}, whose files are the project's own: "
             f"choose another --out_dir (out-NAME, say)")
     assert sorted(os.listdir(tmp_path)) == ["clone", "corpora"]
+
+
+def test_a_folder_a_script_writes_into_is_never_the_projects_own_but_for_its_data_and_records(tmp_path):
+    """configurator.make_dir, through which every script makes the folder it writes into, refuses the
+    project's own folders and creates nothing there; prepare.py's data/ and experiments.seeds' record
+    in results/ are asked for (own=True)."""
+    from support.configurator import make_dir
+    for folder in ("data", "results"):
+        path = os.path.join(ROOT, folder, "made-by-a-script")
+        with pytest.raises(UserError, match=f"^--out={re.escape(path)} is in the repository's {folder}/, "):
+            make_dir(path, "out")
+        assert not os.path.exists(path)
+    assert make_dir(os.path.join(ROOT, "results"), "out", own=True) == os.path.join(ROOT, "results")
+    assert make_dir(str(tmp_path / "new"), "out") and (tmp_path / "new").is_dir()
 
 
 @pytest.mark.parametrize("out_dir", ["out", "out-test/data", "data-old", "configs", "../data"])

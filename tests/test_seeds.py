@@ -247,3 +247,16 @@ def test_a_relative_out_is_the_callers(tmp_path, monkeypatch):
     finally:
         if os.path.exists(os.path.join(ROOT, name)):  # where it landed before
             os.remove(os.path.join(ROOT, name))
+
+
+def test_the_default_record_in_results_is_the_scripts_own_to_write(tmp_path, monkeypatch):
+    """--out's default, results/seeds.json, is in a folder of the project's own that no run may
+    write into: this script's record is, and it goes on to read it."""
+    class ReadTheRecord(Exception):
+        pass
+
+    def read_record(path):
+        raise ReadTheRecord(path)
+    monkeypatch.setattr(seeds, "read_record", read_record)
+    with pytest.raises(ReadTheRecord, match="results/seeds.json$"):
+        seeds.main([f"--runs={tmp_path / 'runs'}"])
