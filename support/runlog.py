@@ -136,13 +136,26 @@ class Run:
 
 def start_over(out_dir, names=RUN_FILES):
     """--overwrite: remove every file the earlier run in out_dir wrote (RUN_FILES), so that none of
-    them (its adapters, a merge, its results) passes for the new run's in sample.py or an export."""
+    them (its adapters, a merge, its results) passes for the new run's in sample.py or an export; a
+    results.json that is no fine-tuning's record (finetune.py's alone writes one) is a user's."""
     for name in names:
         path = os.path.join(out_dir, name)
+        if name == "results.json" and not finetuning_record(path):
+            continue
         if os.path.isdir(path) and not os.path.islink(path):  # ckpt_sharded/, tensorboard/
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.remove(path)
+
+
+def finetuning_record(path):
+    """Whether the file at path is finetune.py's results.json (a JSON object naming its base)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):  # none, not JSON
+        return False
+    return isinstance(record, dict) and "base_checkpoint" in record
 
 
 class RunLog:

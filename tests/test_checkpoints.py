@@ -420,8 +420,9 @@ def test_overwrite_removes_every_file_the_earlier_run_wrote(tmp_path, shakespear
     for name in ("tensorboard", "ckpt_sharded"):
         (out / name).mkdir(parents=True)
         (out / name / "events").write_bytes(b"the earlier run's")
-    for name in ("ckpt.pt", "adapters.pt", "merged.pt", "results.json", "log.jsonl", "loss.png", "notes.txt"):
+    for name in ("ckpt.pt", "adapters.pt", "merged.pt", "log.jsonl", "loss.png", "notes.txt"):
         (out / name).write_bytes(b"the earlier run's")
+    (out / "results.json").write_text(json.dumps(dict(base_checkpoint="base.pt", saved="adapters.pt")))
     argv = ["--max_iters=2", "--eval_interval=2", f"--input_file={shakespeare}", f"--out_dir={out}",
             f"--data_root={tmp_path / 'data'}", "--overwrite"]
     if script == "train":
@@ -436,6 +437,21 @@ def test_overwrite_removes_every_file_the_earlier_run_wrote(tmp_path, shakespear
     assert all((out / name).read_bytes() != b"the earlier run's" for name in ours)
     assert (out / "notes.txt").read_bytes() == b"the earlier run's"
     assert [json.loads(r)["iter"] for r in open(out / "log.jsonl") if "val_loss" in r] == [0, 2]
+
+
+@pytest.mark.parametrize("held,removed", [
+    ('{"base_checkpoint": "out/ckpt.pt", "saved": "out-ft/adapters.pt"}', True),
+    ('{"accuracy": 0.91}', False), ('["base_checkpoint"]', False), ("1.5", False), ("notes", False)],
+    ids=["finetunings-record", "a-users-json", "a-list", "a-number", "text"])
+def test_overwrite_removes_a_results_json_only_where_finetune_wrote_it(tmp_path, held, removed):
+    """--overwrite removed a user's results.json (a name that only finetune.py writes) from a train.py
+    folder: one that is no fine-tuning's record (a JSON object naming its base) stays; the run's own files
+    go."""
+    from support import runlog
+    (tmp_path / "results.json").write_text(held)
+    (tmp_path / "ckpt.pt").write_bytes(b"the earlier run's")
+    runlog.start_over(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ([] if removed else ["results.json"])
 
 
 def past_the_check(*args):
