@@ -108,7 +108,17 @@ def test_config_json_and_model_card(saved, tmp_path):
     assert "model.py" in code and f"(model.py and {len(code) - 1} files)" in card
     # a checkpoint that records no training (no train_config, no source) says so, not "None."
     assert config["training"] is None
-    assert f"## Training\n\nNot recorded in the checkpoint. Exported from `{saved['diffeq']}`." in card
+    assert f"## Training\n\nNot recorded in the checkpoint. Exported from `diffeq.pt`." in card
+    assert os.path.dirname(saved["diffeq"]) not in card + json.dumps(config)  # the user's folders stay home
+
+
+def test_a_card_names_a_checkpoint_by_its_file_alone_and_a_hub_id_as_it_is(tmp_path):
+    """What a card (and config.json's training sentence) says a model came from leaves the user's folders
+    out, even of a checkpoint that has since moved; a Hub id, which names no folder, stays whole."""
+    (tmp_path / "out").mkdir()
+    assert export.file_name("/home/someone/runs/ckpt.pt") == "ckpt.pt"  # no longer there
+    assert export.file_name(str(tmp_path / "out") + "/") == "out"
+    assert export.file_name("someone/diffeqformer-small") == "someone/diffeqformer-small"
 
 
 @pytest.mark.parametrize("kind", ["diffeq", "adapters"])
@@ -127,7 +137,7 @@ def test_an_export_exported_again_in_place_keeps_its_training_history(kind, save
         card = open(os.path.join(folder, "README.md")).read()
         return card.split("## Training\n\n")[1].split(" Exported from")[0]
     first = ("7 iterations of 4 x 2 sequences of 32 tokens on shakespeare (AdamW, learning rate 0.002)"
-             if kind == "diffeq" else f"LoRA (rank 2) fine-tuning of {saved['diffeq']} as a 5-layer "
+             if kind == "diffeq" else "LoRA (rank 2) fine-tuning of diffeq.pt as a 5-layer "
                                       f"transformer (? iterations on ?), merged into its weights")
     assert training() == first + "."
     export.export(folder, folder)
