@@ -59,6 +59,13 @@ class ExportConfig:
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r}: use {' or '.join(FORMATS)}")
+        if self.push_to_hub:  # checked before the export, not after it
+            from huggingface_hub.utils import validate_repo_id
+            try:
+                validate_repo_id(self.push_to_hub)
+            except ValueError:
+                raise ValueError(f"push_to_hub={self.push_to_hub!r} is no Hub repository id: "
+                                 f"write owner/name (letters, digits, '-', '_', '.')") from None
 
 
 # -- writing the folder ---------------------------------------------------------------------------

@@ -458,6 +458,18 @@ def test_push_to_hub_offline_is_one_line(saved, capsys, monkeypatch, tmp_path):
     assert "could not push" in err and "`hf auth login`" in err
 
 
+@pytest.mark.parametrize("repo_id", ["bad//name", "a/b/c", "me/two words", "-me/model"])
+def test_a_hub_id_that_is_none_is_one_line_before_the_export(repo_id, saved, capsys, monkeypatch, tmp_path):
+    """--push_to_hub=bad//name was refused after the whole export, as if offline: now in one line that says
+    what an id is, before the checkpoint is read."""
+    no_work(monkeypatch, export, "export")
+    err = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={tmp_path / 'out'}",
+                                 f"--push_to_hub={repo_id}"], capsys, monkeypatch)
+    assert err.strip() == (f"error: push_to_hub={repo_id!r} is no Hub repository id: write owner/name "
+                   f"(letters, digits, '-', '_', '.')")
+    assert not (tmp_path / "out").exists()
+
+
 def test_push_to_hub_uploads_the_export_but_not_its_lock_files(saved, tmp_path, monkeypatch, capsys):
     """--push_to_hub uploaded the folder whole: .lock and .lock.pid, which the export's lock leaves
     in it, went to the Hub repository too. The upload sees the folder as huggingface_hub filters it."""
