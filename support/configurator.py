@@ -90,6 +90,9 @@ def make_dir(path, flag, own=False):
     holds the project's own files (check_own_folder; `own`: prepare.py's data/, seeds' record)."""
     if not own:
         check_own_folder(path, flag)
+    if os.path.islink(path) and not os.path.exists(path):  # makedirs: "File exists"
+        raise UserError(f"--{flag}={path} is a link to {os.readlink(path)}, which does not exist: "
+                        f"create that folder, or choose another --{flag}")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")

@@ -526,6 +526,21 @@ def test_a_folder_a_script_writes_into_is_never_the_projects_own_but_for_its_dat
     assert make_dir(str(tmp_path / "new"), "out") and (tmp_path / "new").is_dir()
 
 
+def test_a_link_to_a_folder_that_is_gone_is_one_line_that_names_where_it_points(tmp_path, capsys, monkeypatch):
+    """A dangling symlink as --out_dir said "File exists"; the link is left as it is, nothing created."""
+    from support import configurator
+    from test_faults import one_line
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    no_work(monkeypatch, common, "prepare_data")
+    line = one_line(train.main, [f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}"], capsys,
+                    monkeypatch)
+    assert line == (f"error: --out_dir={tmp_path / 'out'} is a link to {tmp_path / 'gone'}, which does not "
+                    f"exist: create that folder, or choose another --out_dir")
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.path.islink(tmp_path / "out")
+    (tmp_path / "gone").mkdir()  # once the folder is there, the link is a folder as any other
+    assert configurator.make_dir(str(tmp_path / "out"), "out_dir") == str(tmp_path / "out")
+
+
 @pytest.mark.parametrize("out_dir", ["out", "out-test/data", "data-old", "configs", "../data"])
 def test_a_folder_beside_the_projects_own_is_accepted_as_out_dir(out_dir):
     """At the rule's bounds: a folder in the repository's root but none of its own, one whose name begins like
