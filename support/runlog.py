@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from support import common, parallel, plots, resume
 import prepare
-from support.configurator import RUN_FILES, Diverged, Interrupted
+from support.configurator import RUN_FILES, Diverged, Interrupted, UserError
 from model import block_shapes, evaluations
 from support.model_extras import depth_label
 
@@ -98,8 +98,12 @@ class Run:
         state = dict(iter_num=it, best_val_loss=self.best_val_loss, wandb_id=self.log.wandb_id)
         resume.save_run(model, optimizer, state, self.cfg, self.env, self.extra)
         self.saved = it
-        if self.env.master:
-            plots.loss_curve(self.log.path, os.path.join(self.cfg.out_dir, "loss.png"))
+        if self.env.master:  # after the checkpoint: a full disk here loses no training
+            try:
+                plots.loss_curve(self.log.path, os.path.join(self.cfg.out_dir, "loss.png"))
+            except UserError as e:
+                raise UserError(f"{e}; the checkpoint of iteration {it} is saved, from which "
+                                f"--init_from=resume continues the run") from None
 
     def trained(self, it, lr, t0, loss, norm, steps, skipped):
         """Log the iteration train_step made from t0 (time.perf_counter()): its loss (averaged over

@@ -263,6 +263,25 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_
     assert [n for n in os.listdir(tmp_path / "out") if ".tmp" in n] == []
 
 
+def test_a_full_disk_while_the_loss_curve_is_drawn_says_the_checkpoint_resumes(tmp_path, capsys, monkeypatch,
+                                                                               shakespeare):
+    """loss.png is drawn after the checkpoint: a full disk there offered only "write elsewhere", though
+    the run's checkpoint, saved, resumes."""
+    from support import configurator, runlog
+
+    def full(log, path):
+        raise configurator.write_error(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    monkeypatch.setattr(runlog.plots, "loss_curve", full)
+    out = tmp_path / "out"
+    args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={out}",
+                    "--max_iters=4", "--eval_interval=2")
+    line = one_line(train.main, args, capsys, monkeypatch)
+    assert line == (f"error: could not write {out / 'loss.png'}: No space left on device; free some space or "
+                    f"write elsewhere; the checkpoint of iteration 2 is saved, from which --init_from=resume "
+                    f"continues the run")
+    assert checkpoints.load(str(out / "ckpt.pt"))["iter_num"] == 2
+
+
 def test_a_full_disk_at_a_first_checkpoint_or_a_merge_offers_nothing_to_resume(tmp_path, capsys, monkeypatch,
                                                                                 shakespeare):
     """A merge, or a run's first checkpoint, has nothing before it: "what was there before is intact (a run
