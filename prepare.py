@@ -25,6 +25,7 @@ import socket
 import urllib.parse
 
 from support.configurator import UserError, make_dir, parse_config, run_main, written
+import filelock
 import numpy as np
 import tiktoken
 from tqdm import tqdm
@@ -279,6 +280,18 @@ def data_dir_of(data_root, dataset, tokenizer):
     return os.path.join(data_root, f"{dataset}_{tokenizer}")
 
 
+def prepared(data_dir, source, tokenizer):
+    """Whether data_dir holds the tokens of `source` by `tokenizer` already (then: reused)."""
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+        return False
+    old = load_meta(data_dir)
+    if old["source"] == source and old["tokenizer"] == tokenizer:
+        print(f"{data_dir} already holds {old['dataset']} as {tokenizer} tokens from the same "
+              f"source; reusing it")
+        return True
+    return False
+
+
 def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8,
             choosable=False):
     """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their
@@ -303,41 +316,41 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
                         f"downloadable: {', '.join(HF_DATASETS)}; "
                         f"any name works with --input_file=a.txt[,b.txt]")
     meta_path = os.path.join(data_dir, "meta.json")
-    if os.path.isfile(meta_path):
-        old = load_meta(data_dir)
-        if old["source"] == source and old["tokenizer"] == tokenizer:
-            print(f"{data_dir} already holds {dataset} as {tokenizer} tokens "
-                  f"from the same source; reusing it")
+    if prepared(data_dir, source, tokenizer):
+        return data_dir
+    make_dir(data_root, "data_root", own=True)  # a file in the way, or read-only: one line
+    # two runs that start together: the second waits for the first's data, then reuses it
+    with filelock.FileLock(os.path.join(data_root, f".{os.path.basename(data_dir)}.lock")):
+        if prepared(data_dir, source, tokenizer):
             return data_dir
+        tok = get_tokenizer(tokenizer, choosable)
+        # tokenised document by document, written in shards
+        corpus = dataset == "openwebtext" and not paths
+        texts = None if corpus else load_text(dataset, paths, val_file, split_each)
+        splits = (tokenize_openwebtext(tok, num_proc) if corpus else
+                  dict(zip(("train", "val"), texts)))
+        os.makedirs(data_dir, exist_ok=True)
+        if os.path.isfile(meta_path):
+            # the .bin files are about to change: a stale meta must not describe them
+            os.remove(meta_path)
+        counts = {}
+        for split, data in splits.items():
+            path = os.path.join(data_dir, f"{split}.bin")
+            if corpus:
+                counts[split] = write_shards(data, path, tok.vocab_size)
+            else:
+                print(f"tokenizing {len(data):,} characters of {split} text with {tokenizer}")
+                counts[split] = write_tokens(tok.encode(data), path, tok.vocab_size)
+            if counts[split] == 0:
+                text = (val_file if split == "val" and val_file else ", ".join(paths)) or dataset
+                raise UserError(f"the {split} split of {text} is empty; give it more text")
 
-    make_dir(data_root, "data_root", own=True)  # a file in the way, or read-only: one line, before any work
-    tok = get_tokenizer(tokenizer, choosable)
-    # tokenised document by document, written in shards
-    corpus = dataset == "openwebtext" and not paths
-    texts = None if corpus else load_text(dataset, paths, val_file, split_each)
-    splits = tokenize_openwebtext(tok, num_proc) if corpus else dict(zip(("train", "val"), texts))
-    os.makedirs(data_dir, exist_ok=True)
-    if os.path.isfile(meta_path):
-        # the .bin files are about to change: a stale meta must not describe them
-        os.remove(meta_path)
-    counts = {}
-    for split, data in splits.items():
-        path = os.path.join(data_dir, f"{split}.bin")
-        if corpus:
-            counts[split] = write_shards(data, path, tok.vocab_size)
-        else:
-            print(f"tokenizing {len(data):,} characters of {split} text with {tokenizer}")
-            counts[split] = write_tokens(tok.encode(data), path, tok.vocab_size)
-        if counts[split] == 0:
-            text = (val_file if split == "val" and val_file else ", ".join(paths)) or dataset
-            raise UserError(f"the {split} split of {text} is empty; give it more text")
-
-    meta = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
-            "dtype": np.dtype(token_dtype(tok.vocab_size)).name,
-            "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source}
-    with written(meta_path) as tmp, open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    return data_dir
+        meta = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
+                "dtype": np.dtype(token_dtype(tok.vocab_size)).name,
+                "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source}
+        with written(meta_path) as tmp, open(tmp, "w") as f:
+            json.dump(meta, f, indent=2)
+        return data_dir
 
 
 def load_meta(data_dir):

@@ -71,6 +71,32 @@ def test_same_source_is_reused_and_a_changed_file_is_prepared_again(tmp_path, ca
     assert "reusing" not in capsys.readouterr().out
 
 
+def test_two_runs_that_prepare_at_once_the_second_waits_and_reuses_the_firsts(tmp_path, capsys):
+    """Two first `python train.py` at once raced on data/ (the second removed the first's meta.json,
+    "meta.json does not exist"): while one prepares (its lock held here) the other writes nothing, and
+    then reuses what the first wrote."""
+    import shutil
+    import threading
+
+    import filelock
+    import prepare as module
+    path = write(tmp_path / "a.txt", TEXT)
+    root, data_dir = tmp_path / "data", module.data_dir_of(str(tmp_path / "data"), "mytext", "byte")
+    first = filelock.FileLock(os.path.join(root, f".{os.path.basename(data_dir)}.lock"))
+    root.mkdir()
+    with first:  # the first run, preparing
+        second = threading.Thread(target=prepare, args=("mytext", "byte"),
+                                  kwargs=dict(input_file=path, data_root=str(root)))
+        second.start()
+        second.join(timeout=2)
+        assert second.is_alive() and not os.path.exists(data_dir)  # it waits, writing nothing
+        made = prepare("mytext", "byte", input_file=path, data_root=str(tmp_path / "elsewhere"))
+        shutil.copytree(made, data_dir)  # what the first run wrote
+    second.join()
+    assert "reusing" in capsys.readouterr().out
+    assert load_tokens(data_dir, "train").tobytes() == load_tokens(made, "train").tobytes()
+
+
 def test_a_same_size_edit_of_the_text_is_prepared_again(tmp_path, capsys):
     """An edit that keeps a file's size (a word swapped for another as long) still prepares the
     text again, the training file's as the validation file's: the prepared data's source names
