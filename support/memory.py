@@ -12,7 +12,7 @@ import os
 import torch
 
 from support.configurator import ConfigError
-from model import DiffEqFormer, TimeDependentLinear, TimeDependentNorm, evaluations
+from model import DiffEqFormer, TimeDependentLinear, TimeDependentNorm, evaluations, stage_times
 from support.parallel import fsdp_units
 
 
@@ -77,7 +77,8 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     steps = int(cfg.train_steps.split("-")[-1]) if cfg.train_steps and mcfg.is_ode else mcfg.n_layer
     evals = evaluations(mcfg, steps, mcfg.solver)
     B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
-    generated = generated_numel(model) * evals if diffeq else 0  # entries of W(t_k) for every k
+    times = len(stage_times(steps, mcfg.solver)[0])  # distinct: RK4's 2N + 1 for its 4N evaluations
+    generated = generated_numel(model) * times if diffeq else 0  # entries of W(t_i) for every t_i
     autocast = dtype != torch.float32
     unit_bytes = b if sharded and autocast else 4  # FSDP2 gathers the units in bf16 (its policy)
 
@@ -91,7 +92,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
         what = f"activations ({per_eval / (B * T * C):.0f} B per token, width and step)"
     activations += (2 * 4 + 4 * (mcfg.flavor == "llama") + b) * B * T * C  # X(1), norm, output
     if mcfg.flavor == "llama" and diffeq:
-        activations += b * 3 * C * C * evals  # the fused q, k, v weight, per step and micro-step
+        activations += b * 3 * C * C * times  # the fused q, k, v weight, per stage time
 
     compute = str(dtype).removeprefix("torch.")
     sharded_ways = f", sharded {world} ways" if sharded else ""

@@ -323,6 +323,19 @@ def test_an_any_depth_plan_is_the_plan_of_its_deepest_draw():
     assert sum(plan("12").values()) > sum(plan("2").values())
 
 
+def test_the_plan_counts_rk4s_distinct_times_not_its_evaluations():
+    """At 12 RK4 steps the hypernetwork generates W at 2 * 12 + 1 = 25 distinct times (a step's last
+    stage time is the next step's first, its two midpoints one), not at its 48 evaluations: the plan's
+    generated weights and their dL/dW count 25 sets."""
+    mcfg = ModelConfig(n_layer=12, n_embd=64, n_head=2, vocab_size=256, block_size=64, d_t=4,
+                       time_freqs=4, solver="rk4")
+    plan = memory.dry_run(mcfg, train.TrainConfig(), 1, dtype=torch.float32, verbose=False)
+    with torch.device("meta"):
+        sets = memory.generated_numel(DiffEqFormer(mcfg))
+    assert plan["dL/dW(t_k), accumulated in fp32 over the micro-steps"] == 4 * sets * 25
+    assert plan["generated weights W(t_k), once per step"] == 4 * sets * 25
+
+
 @pytest.mark.parametrize("model_type,flavor,solver", [("diffeq", "gpt", "rk4"), ("shared", "llama", "midpoint"),
                                                      ("diffeq", "llama", "euler"), ("baseline", "gpt", "euler"),
                                                      ("materialized", "llama", "euler")])
