@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -113,3 +114,19 @@ def test_threads_and_what_out_of_range_are_one_line_before_any_work(script, argv
     assert one_line(main, argv, capsys, monkeypatch) == f"error: {message}"
     assert bench.parse_args(["--threads=0"])[1].threads == 0
     assert bench_scale.ScaleConfig(threads=1, what="comm_plan").threads == 1
+
+
+def test_rk4s_training_step_generates_its_distinct_times_once_with_the_same_gradients(capsys):
+    """experiments.bench_rk4: at 3 RK4 steps the step that generates W at the 7 distinct stage times and
+    the one that generates a set for each of the 12 evaluations hand the hypernetwork the same gradients
+    (the leaves of one time sum what its evaluations' leaves held apart); the generated weights shrink
+    by 7/12, and every pair is timed."""
+    from experiments import bench_rk4
+    facts, ratio = bench_rk4.main(["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2",
+                                   "--pairs=2", "--warmup=0", "--d_t=4", "--time_freqs=4"])
+    (sets, size, grads), (sets4, size4, grads4) = facts["distinct"], facts["per evaluation"]
+    assert (sets, sets4) == (7, 12) and size * 12 == size4 * 7
+    for a, b in zip(grads, grads4, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert len(ratio) == 2 and np.isfinite(ratio).all()
+    assert "step time, distinct / per evaluation" in capsys.readouterr().out
