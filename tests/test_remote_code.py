@@ -350,6 +350,23 @@ def test_generate_runs_one_position_per_token_through_the_cache(saved, exported)
         assert torch.equal(out.sequences, sample.generate(ours, idx, 10, temperature=0, steps=4, solver="midpoint"))
 
 
+def test_a_static_cache_is_refused_in_one_line_that_names_what_to_pass(exported):
+    """A StaticCache as past_key_values (its layers shaped as a layer's, one per hidden layer) met a
+    shape mismatch deep in attention: now one line naming what to pass, to the model and to generate,
+    before any pass."""
+    theirs = auto(exported["diffeq"], steps=2, solver="rk4")
+    idx = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
+    refused = ("past_key_values is a StaticCache, whose layers have a layer's shapes; DiffEqFormer keeps a "
+               "layer for each evaluation of F: pass a DynamicCache, or none (generate makes its own)")
+    calls = []
+    theirs.model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    for run in (lambda cache: theirs(idx, past_key_values=cache),
+                lambda cache: theirs.generate(idx, max_new_tokens=2, past_key_values=cache)):
+        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+            run(transformers.StaticCache(config=theirs.config, max_cache_len=16))
+    assert not calls
+
+
 @pytest.mark.parametrize("kind", ["diffeq", "llama"])
 def test_prompt_lookup_and_assisted_decoding_give_greedy_tokens(kind, exported):
     """prompt_lookup_num_tokens and assistant_model (the model itself: every guess is right) give

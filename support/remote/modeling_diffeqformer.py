@@ -218,6 +218,10 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if not isinstance(logits_to_keep, int) or (labels is not None and logits_to_keep):
             raise ValueError(f"logits_to_keep={logits_to_keep!r}: the last k positions (an int), "
                              f"0 (every position) with labels")
+        if cache is not None and not isinstance(cache, DynamicCache):  # StaticCache: its shapes
+            raise ValueError(f"past_key_values is a {type(cache).__name__}, whose layers have a "
+                             f"layer's shapes; DiffEqFormer keeps a layer for each evaluation of F: "
+                             f"pass a DynamicCache, or none (generate makes its own)")
         cfg, (B, T) = self.model.cfg, input_ids.shape
         past = 0 if cache is None else cache.get_seq_length()
         real = torch.ones(B, past + T, dtype=torch.bool, device=input_ids.device) \
