@@ -33,7 +33,7 @@ import torch
 
 import prepare
 import train
-from model import DiffEqFormer, ModelConfig, evaluations
+from model import DiffEqFormer, ModelConfig, stage_times
 from support import common, parallel, plots, resume
 from support.configurator import parse_config, run_main
 
@@ -232,7 +232,8 @@ def planned_bytes(mcfg, tcfg, world, dtype):
         units = sum(sum(p.numel() for p in u.parameters()) for u in parallel.fsdp_units(model))
         root = P - units
         once = parallel.generates_once(model, cfg)
-        generated = memory.generated_numel(model) * evaluations(mcfg, mcfg.n_layer, mcfg.solver) if once else 0
+        times = len(stage_times(mcfg.n_layer, mcfg.solver)[0])  # distinct (RK4: 2N + 1)
+        generated = memory.generated_numel(model) * times if once else 0
         mlps = sum(p.numel() for n, p in model.named_parameters() if "time_mlp" in n) if once else 0
         if cfg.parallel == "ddp":
             out[name] = 2 * 4 * ((P - units if once else P) + generated)

@@ -417,3 +417,25 @@ def test_bench_scales_memory_probe_records_its_peak_beside_the_plan(tmp_path, sh
         model = DiffEqFormer(mcfg)
     assert record["plan"] == sum(memory.memory_plan(model, mcfg, tcfg, 1, torch.float32, "cpu")[1].values())
     assert record["peak"] > 0 and record["rank"] == 0
+
+
+def test_the_communication_plan_prints_each_scheme_with_its_own_arithmetic(capsys):
+    """experiments.bench_scale --what=comm_plan: a line for DDP and one for FSDP2, each the bytes of
+    planned_bytes for the config run that way (not the config's own parallel twice); an ODE's weights
+    made once per step count RK4's 2N + 1 distinct times, not its 4N evaluations."""
+    from experiments import bench_scale
+    argv = ["config/llama1b.py", "--solver=rk4"]
+    bench_scale.comm_plan(bench_scale.ScaleConfig(world=8), argv)
+    lines = capsys.readouterr().out.splitlines()
+    for line, scheme in zip(lines, ("ddp", "fsdp"), strict=True):
+        mcfg, tcfg = bench_scale.configs([*argv, f"--parallel={scheme}"])
+        planned = bench_scale.planned_bytes(mcfg, tcfg, 8, torch.bfloat16)
+        once = planned["ODE, weights once per step"]
+        assert line.startswith(f"{scheme.upper()} over 8 GPUs") and f"once per step {once / 1e9:,.1f} GB" in line
+    assert lines[0].split(":")[1] != lines[1].split(":")[1]
+    mcfg, tcfg = bench_scale.configs([*argv, "--parallel=ddp"])
+    with torch.device("meta"):
+        model = DiffEqFormer(mcfg)
+    P, units = model.num_params(), sum(sum(p.numel() for p in u.parameters()) for u in parallel.fsdp_units(model))
+    assert bench_scale.planned_bytes(mcfg, tcfg, 8, torch.bfloat16)["ODE, weights once per step"] == \
+        2 * 4 * (P - units + memory.generated_numel(model) * (2 * mcfg.n_layer + 1))
