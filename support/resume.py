@@ -114,7 +114,7 @@ def save_run(model, optimizer, state, cfg, env, extra):
 def load_run(cfg, env, fine_tuning=False):
     """The checkpoint to resume from (ckpt.pt, or the shards' meta.pt; a fine-tuning run's for
     finetune.py), on the data it trained on: another --dataset is refused."""
-    kind = (checkpoints.LORA_RUN, checkpoints.MODEL) if fine_tuning else checkpoints.MODEL
+    kind = (checkpoints.LORA_RUN, checkpoints.MODEL)  # either: what it is is said below
     folder, single = os.path.join(cfg.out_dir, "ckpt_sharded"), os.path.join(cfg.out_dir, "ckpt.pt")
     if parallel.sharded(cfg, env):
         ckpt = checkpoints.load(os.path.join(latest_sharded(folder), "meta.pt"), kind)
@@ -126,6 +126,9 @@ def load_run(cfg, env, fine_tuning=False):
     if fine_tuning and "finetune_config" not in ckpt:
         raise UserError(f"{cfg.out_dir} holds a pretraining run, not a fine-tuning run: resume it "
                         f"with train.py")
+    if not fine_tuning and "finetune_config" in ckpt:
+        raise UserError(f"{cfg.out_dir} holds a fine-tuning run, not a pretraining run: resume it "
+                        f"with finetune.py")
     trained = ckpt.get("train_config", {}).get("dataset", cfg.dataset)
     if trained != cfg.dataset:  # a config file left out of the resuming command, say
         raise ConfigError(f"the run in {cfg.out_dir} trains on --dataset={trained}: resuming it on "
