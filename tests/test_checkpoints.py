@@ -439,6 +439,16 @@ def test_overwrite_removes_every_file_the_earlier_run_wrote(tmp_path, shakespear
     assert [json.loads(r)["iter"] for r in open(out / "log.jsonl") if "val_loss" in r] == [0, 2]
 
 
+def test_starting_over_removes_the_names_it_is_given_and_no_others(tmp_path):
+    """runlog.start_over(folder, names): experiments.reproduce clears a job's folder of ("done", *RUN_FILES),
+    an earlier attempt's marker with its run; only the names given go."""
+    from support import runlog
+    for name in ("done", "ckpt.pt", "notes.txt"):
+        (tmp_path / name).write_text("an earlier attempt's")
+    runlog.start_over(str(tmp_path), ("done", "log.jsonl"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "notes.txt"]
+
+
 @pytest.mark.parametrize("held,removed", [
     ('{"base_checkpoint": "out/ckpt.pt", "saved": "out-ft/adapters.pt"}', True),
     ('{"accuracy": 0.91}', False), ('["base_checkpoint"]', False), ("1.5", False), ("notes", False)],
