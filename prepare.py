@@ -17,6 +17,7 @@ A directory whose meta.json records the same source and tokenizer is reused, not
 Differences from nanoGPT: one script for every dataset, byte tokens as well as tiktoken, and the
 meta.json that tells readers the dtype (uint32 when the vocabulary does not fit in uint16).
 """
+import contextlib
 import dataclasses
 import io
 import json
@@ -292,6 +293,19 @@ def prepared(data_dir, source, tokenizer):
     return False
 
 
+@contextlib.contextmanager
+def preparing(data_root, data_dir):
+    """The lock on preparing data_dir (a run that starts beside another waits for its data), its
+    file removed after it: a run that waited holds the file open, not its name."""
+    path = os.path.join(data_root, f".{os.path.basename(data_dir)}.lock")
+    try:
+        with filelock.FileLock(path):
+            yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8,
             choosable=False):
     """Write train.bin, val.bin and meta.json for `dataset` (or for local text) and return their
@@ -319,8 +333,7 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     if prepared(data_dir, source, tokenizer):
         return data_dir
     make_dir(data_root, "data_root", own=True)  # a file in the way, or read-only: one line
-    # two runs that start together: the second waits for the first's data, then reuses it
-    with filelock.FileLock(os.path.join(data_root, f".{os.path.basename(data_dir)}.lock")):
+    with preparing(data_root, data_dir):  # two runs at once: the second reuses the first's
         if prepared(data_dir, source, tokenizer):
             return data_dir
         tok = get_tokenizer(tokenizer, choosable)
