@@ -104,11 +104,12 @@ MAX_PROMPT_BYTES = 2 ** 20  # 1 MiB: up to a million tokens, which sample.py fee
 # context. A file past it (FILE:/dev/zero never ends) is refused, read no further.
 
 
-def read_prompt(start):
+def read_prompt(start, usable=100_000):
     """A prompt's text: `start` itself, or what the file that FILE:path names holds (sample.py's
     --start, analyze.py's --prompt): any readable file, a pipe such as /dev/stdin too, of at most
-    MAX_PROMPT_BYTES. A UTF-8 byte-order mark at its start (Windows' Notepad writes one) is no part
-    of the text."""
+    MAX_PROMPT_BYTES; past it, the advice keeps the file's last `usable` bytes (as many as the
+    caller takes: a token is at least a byte). A UTF-8 byte-order mark at its start (Windows'
+    Notepad writes one) is no part of the text."""
     if not start.startswith("FILE:"):
         return start
     path = start[len("FILE:"):]
@@ -124,7 +125,7 @@ def read_prompt(start):
     except OSError as e:
         raise UserError(f"prompt file {path} cannot be read: {e.strerror or e}") from None
     if len(data) > MAX_PROMPT_BYTES:
-        way = (f"keep its end (tail -c 100000 {path} > prompt.txt)" if os.path.isfile(path) else
+        way = (f"keep its end (tail -c {usable} {path} > prompt.txt)" if os.path.isfile(path) else
                "write the prompt into a file and name that")  # (a device, a pipe: it may not end)
         raise UserError(f"prompt file {path} holds more than {MAX_PROMPT_BYTES:,} bytes (1 MiB), "
                         f"more than a prompt can use: {way}")
@@ -296,14 +297,16 @@ def prepared(data_dir, source, tokenizer):
 @contextlib.contextmanager
 def preparing(data_root, data_dir):
     """The lock on preparing data_dir (a run that starts beside another waits for its data), its
-    file removed after it: a run that waited holds the file open, not its name."""
+    file removed by the run that holds it, while it holds it (a run stopped while it waits leaves
+    it): filelock tries the file's name again and again while it waits, so the next run locks a
+    file of its own."""
     path = os.path.join(data_root, f".{os.path.basename(data_dir)}.lock")
-    try:
-        with filelock.FileLock(path):
+    with filelock.FileLock(path):
+        try:
             yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="data", num_proc=8,

@@ -97,6 +97,47 @@ def test_two_runs_that_prepare_at_once_the_second_waits_and_reuses_the_firsts(tm
     assert load_tokens(data_dir, "train").tobytes() == load_tokens(made, "train").tobytes()
 
 
+def test_a_run_stopped_while_it_waits_leaves_the_preparing_runs_lock(tmp_path):
+    """A run stopped (Ctrl-C) while it waited on the lock removed the lock's file that the run
+    preparing still held: a third run would then lock a new file and prepare beside the first. Only
+    the run that holds the lock removes its file, while it holds it; then a run takes it at once."""
+    import signal
+    import threading
+
+    import filelock
+    import prepare as module
+
+    class Stopped(Exception):
+        pass
+
+    def stop(*_):
+        raise Stopped
+
+    def first_run(held, done):  # holds the lock until done
+        with filelock.FileLock(str(lock)):
+            held.set()
+            done.wait()
+
+    lock, held, done = tmp_path / ".x.lock", threading.Event(), threading.Event()
+    first = threading.Thread(target=first_run, args=(held, done))
+    first.start()
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        held.wait()
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(Stopped), module.preparing(str(tmp_path), str(tmp_path / "x")):
+            pytest.fail("a second run prepared while the first held the lock")
+        assert lock.exists()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        done.set()
+        first.join()
+    with module.preparing(str(tmp_path), str(tmp_path / "x")):
+        assert lock.exists()
+    assert not lock.exists()
+
+
 def test_a_same_size_edit_of_the_text_is_prepared_again(tmp_path, capsys):
     """An edit that keeps a file's size (a word swapped for another as long) still prepares the
     text again, the training file's as the validation file's: the prepared data's source names
