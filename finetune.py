@@ -86,8 +86,8 @@ def main(argv):
         return
     env = common.setup(cfg.device, cfg.dtype, cfg.seed)
     with finetuning.start(cfg, env) as (base_path, resumed):  # out_dir: this run's
-        if resumed:  # its steps and LoRA settings
-            fcfg = FinetuneConfig(**resumed["finetune_config"])
+        if resumed:  # its steps and LoRA settings, whatever the command line says
+            fcfg = finetuning.resumed_config(fcfg, resumed, given, env)
         finetune(base_path, mcfg, fcfg, cfg, given, env, resumed)
 
 

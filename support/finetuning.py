@@ -86,6 +86,18 @@ def start(cfg, env):
         common.teardown()
 
 
+def resumed_config(fcfg, run, given, env):
+    """The FinetuneConfig of the run that --init_from=resume continues (its depth, LoRA or full,
+    rank...), saying which of the flags given it ignores, as train.py says of a model's shape."""
+    saved = type(fcfg)(**run["finetune_config"])
+    ignored = [f"--{k}={getattr(fcfg, k)}" for k in sorted(given)
+               if k in run["finetune_config"] and getattr(fcfg, k) != getattr(saved, k)]
+    if ignored:
+        env.print(f"the run's depth and LoRA settings come from its checkpoint; ignoring "
+                  f"{', '.join(ignored)}")
+    return saved
+
+
 def with_tokenizer(cfg, given, base_ckpt):
     """The run's config with the base's tokenizer, the one its weights know (another: refused)."""
     tokenizer = base_ckpt["tokenizer"]

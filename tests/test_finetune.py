@@ -222,8 +222,9 @@ def test_a_run_from_a_relative_base_path_resumes_from_another_directory(tmp_path
 
 
 @pytest.mark.parametrize("lora", [True, False])
-def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakespeare, lora):
-    """--init_from=resume takes base, steps and LoRA-or-full from the run, whatever the command line says."""
+def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakespeare, lora, capsys):
+    """--init_from=resume takes base, steps and LoRA-or-full from the run, whatever the command line says,
+    and says which flags it ignores (those that differ from the run's)."""
     data = f"--data_root={tmp_path / 'data'}"
     pretrain(tmp_path, shakespeare)
     shared = ["--steps", "3", "--dropout=0.1", data, f"--input_file={shakespeare}",
@@ -235,7 +236,10 @@ def test_fine_tuning_run_resumes_exactly_with_its_own_settings(tmp_path, shakesp
 
     finetune.main([*shared, *start, f"--out_dir={tmp_path / 'a'}"])
     finetune.main([*shared, *start, "--stop_at=4", f"--out_dir={tmp_path / 'b'}"])
+    capsys.readouterr()
     finetune.main([*shared, "--init_from=resume", "--lora_rank=2", f"--out_dir={tmp_path / 'b'}"])  # settings from the run
+    assert "the run's depth and LoRA settings come from its checkpoint; ignoring --lora_rank=2\n" \
+        in capsys.readouterr().out  # (--steps 3 is the run's: not named)
     straight, resumed = losses("a"), losses("b")
     assert sorted(resumed) == list(range(8))
     results = json.load(open(tmp_path / "b" / "results.json"))  # a rank for LoRA's adapters only
