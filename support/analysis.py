@@ -49,9 +49,10 @@ def check_times(acfg, mcfg, given):
 
 def prompt_ids(acfg, tok, mcfg, given):
     """--prompt's token ids for --lyapunov: a prompt the user gives is refused where it does not
-    fit the model's context, never cut; the default keeps as much of its end as fits."""
-    ids = prepare.encode_prompt(prepare.read_prompt(acfg.prompt), tok, mcfg.vocab_size,
-                                "--prompt")
+    fit the model's context, never cut (a file's advice keeps block_size bytes, at most as many
+    tokens); the default keeps as much of its end as fits."""
+    text = prepare.read_prompt(acfg.prompt, usable=mcfg.block_size)
+    ids = prepare.encode_prompt(text, tok, mcfg.vocab_size, "--prompt")
     if len(ids) > mcfg.block_size and "prompt" in given:
         raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context "
                         f"of {mcfg.block_size}: shorten it")

@@ -179,7 +179,8 @@ def test_a_prompt_file_is_read_up_to_its_bound_in_bytes_and_one_byte_more_is_ref
         with pytest.raises(UserError, match=rf"^prompt file {path} holds more than 1,048,576 bytes "
                                             rf"\(1 MiB\), more than a prompt can use: {way}$"):
             prepare.read_prompt(f"FILE:{path}")
-    model = save_model(tmp_path / "m.pt", byte_model())
+    net = byte_model()
+    model = save_model(tmp_path / "m.pt", net)
     no_work(monkeypatch, sample, "generate")
     no_work(monkeypatch, analyze, "lyapunov")
     lyapunov = ["--lyapunov", "--prompt=FILE:/dev/zero", f"--out={tmp_path / 'a'}"]
@@ -188,6 +189,15 @@ def test_a_prompt_file_is_read_up_to_its_bound_in_bytes_and_one_byte_more_is_ref
         line = one_line(main, [f"--init_from={model}", *argv], capsys, monkeypatch)
         assert line.startswith("error: prompt file /dev/zero holds more than 1,048,576 bytes"), line
     assert not (tmp_path / "a").exists()
+    # analyze.py's prompt must fit the context: its advice keeps block_size bytes, a prompt it takes
+    past = tmp_path / "past.txt"
+    line = one_line(analyze.main, [f"--init_from={model}", *lyapunov[:1], f"--prompt=FILE:{past}",
+                                   *lyapunov[2:]], capsys, monkeypatch)
+    block_size = net.cfg.block_size
+    assert line.endswith(f"keep its end (tail -c {block_size} {past} > prompt.txt)"), line
+    (tmp_path / "kept.txt").write_bytes(past.read_bytes()[-block_size:])  # the advice, followed
+    kept = prepare.read_prompt(f"FILE:{tmp_path / 'kept.txt'}")
+    assert len(prepare.get_tokenizer("byte").encode(kept)) == block_size
 
 
 @pytest.mark.parametrize("main,argv,message", [
