@@ -85,14 +85,23 @@ def as_user_error(prefix, error=UserError):
         raise error(f"{prefix}{e}") from None
 
 
+SET_IN = {}  # {key: "x.py, line 3"}: the keys the last parse_config took from a config file
+
+
+def named(key, value):
+    """A setting as the user gave it, for a message: --key=value on the command line, or "x.py,
+    line 3: key = 'value'" where a config file set it."""
+    return f"{SET_IN[key]}: {key} = {value!r}" if key in SET_IN else f"--{key}={value}"
+
+
 def make_dir(path, flag, own=False):
     """os.makedirs(path) for a folder a flag names, or one UserError when it cannot be written or
     holds the project's own files (check_own_folder; `own`: prepare.py's data/, seeds' record)."""
     if not own:
         check_own_folder(path, flag)
     if os.path.islink(path) and not os.path.exists(path):  # makedirs: "File exists"
-        raise UserError(f"--{flag}={path} is a link to {os.readlink(path)}, which does not exist: "
-                        f"create that folder, or choose another --{flag}")
+        raise UserError(f"{named(flag, path)} is a link to {os.readlink(path)}, which does not "
+                        f"exist: create that folder, or choose another --{flag}")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
@@ -101,7 +110,7 @@ def make_dir(path, flag, own=False):
     except OSError as e:
         is_file = os.path.exists(path) and not os.path.isdir(path)
         why = "it is a file, not a folder" if is_file else e.strerror or type(e).__name__
-        raise UserError(f"cannot write into --{flag}={path}: {why}; choose another --{flag}") \
+        raise UserError(f"cannot write into {named(flag, path)}: {why}; choose another --{flag}") \
             from None
     return path
 
@@ -137,7 +146,7 @@ def check_own_folder(path, flag):
         os.path.join(root, name, ""))]  # the folder itself, or one within it
     if real == root or inside:
         what = f"in the repository's {inside[0]}/" if inside else "the repository's root"
-        raise UserError(f"--{flag}={path} is {what}, whose files are the project's own: choose "
+        raise UserError(f"{named(flag, path)} is {what}, whose files are the project's own: choose "
                         f"another --{flag} (out-NAME, say)")
 
 
@@ -404,11 +413,14 @@ def parse_config(argv, *classes, defaults=None, default_file=None, check=None):
     if check:
         check(given)
     kwargs = {cls: {} for cls in classes}
+    SET_IN.clear()
     for key, (value, where) in values.items():
         cls, field = owners[key]
         in_file = where.startswith("in ") and where != "in the script's defaults"
         line = (assignment(where[3:], key) or where[3:]) if in_file else None  # a file's value
         kwargs[cls][key] = coerce(key, value, field.type, line)
+        if line:
+            SET_IN[key] = line
     try:
         instances = [cls(**kwargs[cls]) for cls in classes]
     except ValueError as e:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support import checkpoints, common, finetuning, parallel, resume
+from support import checkpoints, common, configurator, finetuning, parallel, resume
 import export
 import finetune
 import lora
@@ -502,6 +502,28 @@ def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anythin
         assert line.startswith(f"error: {flag}={out_dir} {expected}"), (main.__module__, line)
     assert (sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None) == before
     assert not (tmp_path / "data").exists()
+
+
+def test_a_config_files_out_dir_is_named_as_that_file_sets_it(tmp_path, capsys, monkeypatch):
+    """out_dir = "." in a config file was reported as the flag --out_dir=., which the user never typed: the
+    refusal names the file, its line and the assignment; the same value on the command line stays a flag,
+    and a later parse forgets the earlier one's file."""
+    from test_faults import one_line
+    monkeypatch.setattr(common, "lock", past_the_check)
+    config = tmp_path / "mine.py"
+    config.write_text('batch_size = 4\nout_dir = "."\n')
+    data = f"--data_root={tmp_path / 'data'}"
+    line = one_line(train.main, [str(config), data], capsys, monkeypatch)
+    assert line == (f"error: {config}, line 2: out_dir = '.' is the repository's root, whose files are the "
+                    f"project's own: choose another --out_dir (out-NAME, say)")
+    line = one_line(train.main, [str(config), "--out_dir=data", data], capsys, monkeypatch)  # the flag wins
+    assert line.startswith("error: --out_dir=data is in the repository's data/"), line
+    assert not (tmp_path / "data").exists()
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # make_dir's lines name it so too
+    config.write_text(f'out_dir = "{tmp_path / "gone"}"\n')
+    cfg = configurator.parse_config([str(config)], ModelConfig, train.TrainConfig)[1]
+    with pytest.raises(UserError, match=rf"^{config}, line 1: out_dir = '{tmp_path / 'gone'}' is a link to "):
+        configurator.make_dir(cfg.out_dir, "out_dir")
 
 
 def test_a_link_to_the_projects_own_files_is_refused_as_out_dir(tmp_path, capsys, monkeypatch):
