@@ -90,12 +90,6 @@ def validation_loss(facts):
     return None if loss is None or loss == float("inf") else loss
 
 
-def file_name(path):
-    """A local path's last name, a Hub id as it is: no user's folders in a card that is pushed."""
-    return os.path.basename(os.path.normpath(path)) if os.path.isabs(path) or os.path.exists(path) \
-        else path
-
-
 def training(facts, cfg):
     """How the checkpoint was trained, a sentence of the card, or None where it records nothing.
     config.json keeps it, so that an export of an export (a folder's `source`) tells it again."""
@@ -106,13 +100,14 @@ def training(facts, cfg):
                if train else facts.get("source"))
     if facts.get("kind") == checkpoints.ADAPTERS:
         run = facts.get("results", {})
-        trained = (f"LoRA (rank {facts['rank']}) fine-tuning of {file_name(facts['base_checkpoint'])} as a "
+        base = hf.file_name(facts["base_checkpoint"])
+        trained = (f"LoRA (rank {facts['rank']}) fine-tuning of {base} as a "
                    f"{facts['steps']}-layer transformer ({run.get('iters', '?')} iterations on "
                    f"{run.get('dataset', '?')}), merged into its weights")
     elif "finetune_config" in facts:
-        trained = f"fine-tuned from {file_name(facts.get('base_checkpoint', '?'))}: {trained}"
+        trained = f"fine-tuned from {hf.file_name(facts.get('base_checkpoint', '?'))}: {trained}"
     if "merged_from" in facts:
-        trained = f"LoRA adapters {file_name(facts['merged_from'])} merged into their base"
+        trained = f"LoRA adapters {hf.file_name(facts['merged_from'])} merged into their base"
     return trained
 
 
@@ -148,7 +143,7 @@ def model_card(model, tokenizer, facts, source, fmt, name):
         f"{model.num_params() / 1e6:,.2f}M parameters, {depth}, width {cfg.n_embd}, "
         f"{cfg.n_head} heads, context {cfg.block_size}, the {tokenizer} tokenizer "
         f"(vocabulary {cfg.tokenizer_vocab or cfg.vocab_size}).", "",
-        "## Training", "", f"{trained}. Exported from `{file_name(source)}`.", "",
+        "## Training", "", f"{trained}. Exported from `{hf.file_name(source)}`.", "",
         "## Validation loss", "",
         f"{loss:.4f} nats per token ({tokenizer} tokens)." if loss is not None else
         "Not recorded in the checkpoint.", "",

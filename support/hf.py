@@ -159,7 +159,14 @@ def from_transformers(path, config):
         if name in state:
             state[name] = torch.cat([state[name], state[name].new_zeros(cfg.vocab_size - vocab,
                                                                         cfg.n_embd)])
-    return cfg.to_dict(), state, tokenizer, f"transformers {type(hf).__name__} from {path}"
+    source = f"transformers {type(hf).__name__} from {file_name(path)}"  # no user's folders
+    return cfg.to_dict(), state, tokenizer, source
+
+
+def file_name(path):
+    """A local path's last name, a Hub id as it is: no user's folders in a card that is pushed."""
+    return os.path.basename(os.path.normpath(path)) if os.path.isabs(path) or os.path.exists(path) \
+        else path
 
 
 def transformers_tokenizer(name, max_length):

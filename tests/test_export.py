@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from support import checkpoints, common, finetuning
+from support import checkpoints, common, finetuning, hf
 import export
 import finetune
 import lora
@@ -116,9 +116,9 @@ def test_a_card_names_a_checkpoint_by_its_file_alone_and_a_hub_id_as_it_is(tmp_p
     """What a card (and config.json's training sentence) says a model came from leaves the user's folders
     out, even of a checkpoint that has since moved; a Hub id, which names no folder, stays whole."""
     (tmp_path / "out").mkdir()
-    assert export.file_name("/home/someone/runs/ckpt.pt") == "ckpt.pt"  # no longer there
-    assert export.file_name(str(tmp_path / "out") + "/") == "out"
-    assert export.file_name("someone/diffeqformer-small") == "someone/diffeqformer-small"
+    assert hf.file_name("/home/someone/runs/ckpt.pt") == "ckpt.pt"  # no longer there
+    assert hf.file_name(str(tmp_path / "out") + "/") == "out"
+    assert hf.file_name("someone/diffeqformer-small") == "someone/diffeqformer-small"
 
 
 @pytest.mark.parametrize("kind", ["diffeq", "adapters"])
@@ -399,6 +399,10 @@ def test_gpt2_weights_give_transformers_logits_and_padded_rows_no_probability(tm
         torch.testing.assert_close(logits[..., :100], hf(idx).logits, rtol=1e-5, atol=1e-5)
     assert torch.softmax(logits, -1)[..., 100:].max() == 0  # the padded rows never win
     export.export(str(tmp_path), str(tmp_path / "back"), "hf")  # and out again: 100 rows
+    card = open(tmp_path / "back" / "README.md").read()  # (its load commands name the folder written)
+    training = card.split("## Training\n\n")[1].split("\n")[0] + open(tmp_path / "back" / "config.json").read()
+    assert f"transformers GPT2LMHeadModel from {tmp_path.name}." in training  # the folder's name alone
+    assert str(tmp_path.parent) not in training  # the user's folders stay home
     back = transformers().GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(idx).logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
