@@ -232,7 +232,7 @@ def planned_bytes(mcfg, tcfg, world, dtype):
         units = sum(sum(p.numel() for p in u.parameters()) for u in parallel.fsdp_units(model))
         root = P - units
         once = parallel.generates_once(model, cfg)
-        times = len(stage_times(mcfg.n_layer, mcfg.solver)[0])  # distinct (RK4: 2N + 1)
+        times = len(stage_times(memory.most_steps(mcfg, cfg), mcfg.solver)[0])  # RK4: 2N + 1
         generated = memory.generated_numel(model) * times if once else 0
         mlps = sum(p.numel() for n, p in model.named_parameters() if "time_mlp" in n) if once else 0
         if cfg.parallel == "ddp":

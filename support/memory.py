@@ -16,6 +16,12 @@ from model import DiffEqFormer, TimeDependentLinear, TimeDependentNorm, evaluati
 from support.parallel import fsdp_units
 
 
+def most_steps(mcfg, cfg):
+    """The most solver steps a training iteration takes: --train_steps' largest draw (any-depth
+    training), else the model's n_layer."""
+    return int(cfg.train_steps.split("-")[-1]) if cfg.train_steps and mcfg.is_ode else mcfg.n_layer
+
+
 def generated_numel(model):
     """Entries of the weights generated for one stage time (one evaluation of F multiplies them)."""
     return sum(math.prod(m.shape) + (m.shape[0] if m.C_W is not None else 0)
@@ -73,8 +79,7 @@ def memory_plan(model, mcfg, cfg, world, dtype=torch.bfloat16, device_type="cuda
     share = world if sharded else 1
     once = diffeq and cfg.generate_once
     accum = -(-cfg.gradient_accumulation_steps // world)  # micro-steps per process
-    # the most steps drawn
-    steps = int(cfg.train_steps.split("-")[-1]) if cfg.train_steps and mcfg.is_ode else mcfg.n_layer
+    steps = most_steps(mcfg, cfg)
     evals = evaluations(mcfg, steps, mcfg.solver)
     B, T, C, V = cfg.batch_size, mcfg.block_size, mcfg.n_embd, mcfg.vocab_size
     times = len(stage_times(steps, mcfg.solver)[0])  # distinct: RK4's 2N + 1 for its 4N evaluations

@@ -439,3 +439,6 @@ def test_the_communication_plan_prints_each_scheme_with_its_own_arithmetic(capsy
     P, units = model.num_params(), sum(sum(p.numel() for p in u.parameters()) for u in parallel.fsdp_units(model))
     assert bench_scale.planned_bytes(mcfg, tcfg, 8, torch.bfloat16)["ODE, weights once per step"] == \
         2 * 4 * (P - units + memory.generated_numel(model) * (2 * mcfg.n_layer + 1))
+    mcfg, tcfg = bench_scale.configs([*argv, "--parallel=ddp", "--train_steps=4-24"])  # any depth: its deepest
+    assert bench_scale.planned_bytes(mcfg, tcfg, 8, torch.bfloat16)["ODE, weights once per step"] == \
+        2 * 4 * (P - units + memory.generated_numel(model) * (2 * 24 + 1))
