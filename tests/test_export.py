@@ -20,6 +20,7 @@ import sample
 import train
 from support.configurator import UserError, run_main
 from conftest import TINY, no_work, tokenizer_or_skip
+from test_faults import one_line
 from model import DiffEqFormer, ModelConfig
 
 KINDS = ("diffeq", "shared", "gpt", "llama", "materialized", "merged", "adapters")
@@ -235,7 +236,6 @@ def test_two_exports_at_once_into_one_new_folder_the_second_is_refused(saved, tm
     export takes the folder's lock as a run does, and a second one meanwhile is refused in one line before it
     writes; the first one's model is the folder's. The lock's files are no file of the export: its listing
     leaves them out (and so does --push_to_hub)."""
-    from test_faults import one_line
     out, real = str(tmp_path / "new"), export.save_folder
 
     def while_writing(model, tokenizer, folder, facts):
@@ -258,7 +258,6 @@ def test_an_export_writes_only_into_an_empty_folder_or_over_an_earlier_export(sa
     """export.py --out=D, where D held the user's own README.md and model.py, replaced both without a word:
     a folder that holds files and is no earlier export (recognised by its model card) is refused in one line
     before the model is read, with nothing written; an earlier export is written over."""
-    from test_faults import one_line
     user = tmp_path / "user"
     user.mkdir()
     (user / "README.md").write_text("# my project\n")
@@ -291,7 +290,6 @@ def test_a_users_model_card_with_yaml_front_matter_is_no_earlier_export(saved, t
     """Every Hub model card opens with YAML front matter (`---`), as export.py's own does: a user's folder
     whose README.md opens so, beside a model.py of their own, is refused like any other, its files' bytes
     as they were; only export.py's card (export.CARD) marks an earlier export."""
-    from test_faults import one_line
     user = tmp_path / "user"
     user.mkdir()
     files = {"README.md": f"{front_matter}\n# my project\n", "model.py": "print('my model')\n",
@@ -437,15 +435,6 @@ def test_train_and_finetune_start_from_gpt2(tmp_path, capsys):
     assert base["tokenizer"] == "gpt2" and adapted.cfg.tokenizer_vocab == 50257
 
 
-def one_line(main, argv, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
-    with pytest.raises(SystemExit):
-        run_main(main)
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    return err
-
-
 @pytest.mark.parametrize("name", ["gpt2", "gpt2-xl", "someone/no-such-model"])
 def test_a_hub_name_offline_is_one_line(name, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as without a network, at once
@@ -469,7 +458,7 @@ def test_a_hub_id_that_is_none_is_one_line_before_the_export(repo_id, saved, cap
     no_work(monkeypatch, export, "export")
     err = one_line(export.main, [f"--init_from={saved['gpt']}", f"--out={tmp_path / 'out'}",
                                  f"--push_to_hub={repo_id}"], capsys, monkeypatch)
-    assert err.strip() == (f"error: push_to_hub={repo_id!r} is no Hub repository id: write owner/name "
+    assert err == (f"error: push_to_hub={repo_id!r} is no Hub repository id: write owner/name "
                    f"(letters, digits, '-', '_', '.')")
     assert not (tmp_path / "out").exists()
 
