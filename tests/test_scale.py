@@ -206,51 +206,65 @@ def spawn(fn, args, world=2, timeout=300):
             pytest.fail(f"{fn.__name__} did not finish in {timeout} s")
 
 
-def gradient_worker(rank, world, store, out, shape, mode, dtype, accum, once):
+# (shape, parallel, dtype, weights once per step): every case runs in the same two processes, one after another
+GRADIENT_CASES = [("gpt", "ddp", "float32", True), ("gpt", "fsdp", "float32", True), ("llama", "fsdp", "float32", True),
+                  ("llama", "ddp", "float32", True), ("gpt", "fsdp", "bfloat16", True), ("gpt", "fsdp", "bfloat16", False)]
+ACCUM = 4  # micro-batches per step
+
+
+def gradient_worker(rank, world, store, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        env = common.Env(torch.device("cpu"), dtype, rank, rank, world)
-        cfg = train.TrainConfig(parallel=mode, generate_once=once)
-        torch.manual_seed(0)
-        with torch.device("meta" if mode == "fsdp" else "cpu"):
-            model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
-        model = parallel.build(model, cfg, env)
-        raw = parallel.unwrap(model)
-        full = {n: (p.full_tensor() if mode == "fsdp" else p).detach().clone() for n, p in raw.named_parameters()}
-        if mode == "fsdp" and not once:  # the policy on the units that FSDP2 runs
-            policy = raw.hyper.attn._get_fsdp_state()._mp_policy
-            want = (torch.bfloat16, torch.float32) if dtype == torch.bfloat16 else (None, None)
-            assert (policy.param_dtype, policy.reduce_dtype) == want
-        perturb(raw)
-        batches = micro_batches(accum, SHAPES[shape]["vocab_size"])
-        _, grads = step_gradients(model, batches, env, parallel=mode, generate_once=once)
-        torch.save(dict(initial=full, grads={n: g.float() for n, g in grads.items()}),
-                   os.path.join(out, f"rank{rank}.pt"))
+        for case, (shape, mode, dtype, once) in enumerate(GRADIENT_CASES):
+            dtype = getattr(torch, dtype)
+            env = common.Env(torch.device("cpu"), dtype, rank, rank, world)
+            cfg = train.TrainConfig(parallel=mode, generate_once=once)
+            torch.manual_seed(0)
+            with torch.device("meta" if mode == "fsdp" else "cpu"):
+                model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
+            model = parallel.build(model, cfg, env)
+            raw = parallel.unwrap(model)
+            full = {n: (p.full_tensor() if mode == "fsdp" else p).detach().clone() for n, p in raw.named_parameters()}
+            if mode == "fsdp" and not once:  # the policy on the units that FSDP2 runs
+                policy = raw.hyper.attn._get_fsdp_state()._mp_policy
+                want = (torch.bfloat16, torch.float32) if dtype == torch.bfloat16 else (None, None)
+                assert (policy.param_dtype, policy.reduce_dtype) == want
+            perturb(raw)
+            batches = micro_batches(ACCUM, SHAPES[shape]["vocab_size"])
+            _, grads = step_gradients(model, batches, env, parallel=mode, generate_once=once)
+            torch.save(dict(initial=full, grads={n: g.float() for n, g in grads.items()}),
+                       os.path.join(out, f"case{case}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shape,mode,dtype,once", [("gpt", "ddp", "float32", True), ("gpt", "fsdp", "float32", True),
-                                                       ("llama", "fsdp", "float32", True), ("llama", "ddp", "float32", True),
-                                                       ("gpt", "fsdp", "bfloat16", True), ("gpt", "fsdp", "bfloat16", False)])
-def test_two_processes_generate_the_plain_gradients(tmp_path, shape, mode, dtype, once):
+@pytest.fixture(scope="module")
+def two_processes_gradients(tmp_path_factory):
+    """The folder where two processes saved the gradients of every case of GRADIENT_CASES: one spawn
+    for them all (each spawn starts two Pythons that import torch)."""
+    out = tmp_path_factory.mktemp("gradients")
+    spawn(gradient_worker, (str(out / "store"), str(out)), timeout=600)
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(GRADIENT_CASES)), ids=["-".join(map(str, c)) for c in GRADIENT_CASES])
+def test_two_processes_generate_the_plain_gradients(case, two_processes_gradients):
     """DDP: dL/dW all-reduced once; FSDP2: each process generates its columns of W from its shards,
     all-gathers them, reduce-scatters dL/dW. Both equal one process generating W in every forward pass
     over all 4 micro-batches; a sharded build starts from the one-process build's weights. bfloat16: the
     CPU twins of CUDA's bf16 all-gather of generated weights and, with the weights generated in every
     forward pass (once=False), of FSDP2's MixedPrecisionPolicy on the units."""
-    dtype, accum = getattr(torch, dtype), 4
+    shape, _, dtype, _ = GRADIENT_CASES[case]
     torch.manual_seed(0)
     model = DiffEqFormer(ModelConfig(**SHAPES[shape]))
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     perturb(model)
-    _, want = plain_gradients(model, micro_batches(accum, SHAPES[shape]["vocab_size"]), world=2)
-    spawn(gradient_worker, (str(tmp_path / "store"), str(tmp_path), shape, mode, dtype, accum, once))
+    _, want = plain_gradients(model, micro_batches(ACCUM, SHAPES[shape]["vocab_size"]), world=2)
     for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+        got = torch.load(two_processes_gradients / f"case{case}-rank{rank}.pt")
         assert all(torch.equal(got["initial"][n], p) for n, p in initial.items())
-        assert_close_grads(got["grads"], want, 1e-5 if dtype == torch.float32 else 0.1)
+        assert_close_grads(got["grads"], want, 1e-5 if dtype == "float32" else 0.1)
 
 
 # -- runs under torchrun --------------------------------------------------------------------------------
@@ -364,33 +378,41 @@ def test_the_decoding_plan_counts_the_caches_sample_py_allocates(model_type, fla
 
 # -- bytes moved by collectives ----------------------------------------------------------------------------
 
-def comm_worker(rank, world, store, out, parallel):
+def comm_worker(rank, world, store, out):
     from experiments import bench_scale
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         env = common.Env(torch.device("cpu"), torch.float32, rank, rank, world)
-        result = {}
-        args = [f"--{k}={v}" for k, v in TINY.items()] + [f"--parallel={parallel}", "--batch_size=2",
-                                                           "--gradient_accumulation_steps=4"]
-        for name, model_over, train_over in bench_scale.COMM_MODELS:
-            mcfg, tcfg = bench_scale.configs(args, model=model_over, train=train_over)
-            step, *_ = bench_scale.setup_run(mcfg, tcfg, env)
-            step(0)
-            mode = bench_scale.counting_mode()
-            with mode:
-                step(1)
-            result[name] = sum(mode.bytes.values())
-        if rank == 0:
-            torch.save(result, os.path.join(out, "bytes.pt"))
+        for scheme in ("ddp", "fsdp"):  # both in the same two processes
+            result = {}
+            args = [f"--{k}={v}" for k, v in TINY.items()] + [f"--parallel={scheme}", "--batch_size=2",
+                                                               "--gradient_accumulation_steps=4"]
+            for name, model_over, train_over in bench_scale.COMM_MODELS:
+                mcfg, tcfg = bench_scale.configs(args, model=model_over, train=train_over)
+                step, *_ = bench_scale.setup_run(mcfg, tcfg, env)
+                step(0)
+                mode = bench_scale.counting_mode()
+                with mode:
+                    step(1)
+                result[name] = sum(mode.bytes.values())
+            if rank == 0:
+                torch.save(result, os.path.join(out, f"bytes-{scheme}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def bytes_moved(tmp_path_factory):
+    """The folder where two processes saved the bytes each COMM_MODELS step moves, under DDP and FSDP2."""
+    out = tmp_path_factory.mktemp("bytes")
+    spawn(comm_worker, (str(out / "store"), str(out)))
+    return out
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_weights_once_per_step_move_at_most_twice_the_bytes_of_gpt(tmp_path, parallel):
-    spawn(comm_worker, (str(tmp_path / "store"), str(tmp_path), parallel))
-    got = torch.load(tmp_path / "bytes.pt")
+def test_weights_once_per_step_move_at_most_twice_the_bytes_of_gpt(bytes_moved, parallel):
+    got = torch.load(bytes_moved / f"bytes-{parallel}.pt")
     gpt, before, once = got.values()
     assert once <= 2 * gpt and before > 2.5 * gpt, got
 
