@@ -350,8 +350,12 @@ def test_the_checkpoint_keeps_the_best_validation_loss_when_it_rises(tmp_path, s
     assert checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))["best_val_loss"] == 2.0
 
 
-def test_compiled_run_checkpoint_loads_into_plain_model(tmp_path, shakespeare):
+def test_compiled_run_checkpoint_loads_into_plain_model(tmp_path, shakespeare, monkeypatch):
+    """A --compile run's checkpoint names its weights as the plain model does. Dynamo traces the run; its
+    graphs run eagerly here (inductor's code, the slow part, is test_model.py's compiled-equals-eager)."""
     torch._dynamo.reset()
+    compile = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile(self, backend="eager"))
     run(tmp_path, f"--input_file={shakespeare}", "--max_iters=2", "--eval_interval=2", "--compile")
     ckpt = checkpoints.load(str(tmp_path / "out" / "ckpt.pt"))
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
