@@ -769,6 +769,39 @@ def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
             assert torch.equal(theirs(idx).logits, expected)
 
 
+@pytest.mark.parametrize("kind", [*KINDS, "midpoint", "rk4"])
+def test_torch_compile_fullgraph_and_torch_export_give_the_eager_logits(kind, exported, tmp_path):
+    """torch.compile(model.forward, fullgraph=True) (through the cache eval() keeps; with an all-ones
+    attention_mask too, for either flavour) and torch.export.export(model, (ids,),
+    kwargs=dict(use_cache=False)) at any length up to block_size trace every kind, an ODE at each
+    solver, in one graph (no branch reads a tensor's values), and give the eager logits, the
+    exported program saved and loaded too. The Llama kind compiles with the default backend
+    (inductor), the rest with "eager": the same capture, fullgraph's check, without the code
+    generation that takes half a minute on a CPU."""
+    torch._dynamo.reset()  # (a fresh count of recompilations: the kinds share their code)
+    depth = dict(steps=2, solver=kind) if kind in SOLVERS else {}
+    theirs = auto(exported["diffeq" if depth else kind], **depth)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(20))
+    same = dict(rtol=1e-5, atol=1e-5)  # (inductor fuses and reorders: 3e-7 apart)
+    with torch.no_grad():
+        eager = theirs(ids).logits
+        forward = torch.compile(theirs.forward, fullgraph=True,
+                                backend="inductor" if kind == "llama" else "eager")
+        torch.testing.assert_close(forward(ids).logits, eager, **same)
+        if kind in ("diffeq", "llama"):  # the GPT and the Llama flavour
+            mask = torch.ones_like(ids)
+            torch.testing.assert_close(forward(ids, attention_mask=mask).logits, eager, **same)
+        T = torch.export.Dim("T", min=2, max=TINY["block_size"])  # (docs/export.md's recipe)
+        program = torch.export.export(theirs, (ids,), kwargs=dict(use_cache=False),
+                                      dynamic_shapes={"input_ids": {1: T}, "use_cache": None})
+        if kind == "llama":  # saved and loaded
+            torch.export.save(program, tmp_path / "program.pt2")
+            program = torch.export.load(tmp_path / "program.pt2")
+        torch.testing.assert_close(program.module()(ids, use_cache=False).logits, eager, **same)
+        longest = torch.randint(0, TINY["vocab_size"], (2, TINY["block_size"]), generator=torch.Generator().manual_seed(21))
+        torch.testing.assert_close(program.module()(longest, use_cache=False).logits, theirs(longest).logits, **same)
+
+
 def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_path):  # noqa: F811
     """position_ids as transformers makes them (the mask's count, 0 at pads; continuing a cache;
     one row of them, arange(T)[None], for a batch without pads) give the logits without them, and

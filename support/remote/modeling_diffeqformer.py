@@ -45,6 +45,8 @@ from .configuration_diffeqformer import DiffEqFormerConfig
 from .model import DiffEqFormer, ModelConfig
 from .model_extras import Context
 
+compiling = torch.compiler.is_compiling  # torch.compile and torch.export trace a pass (no checks)
+
 WINDOWS_PER_PASS = 64  # GPT-flavour tokens past the context re-read per pass (bounds the memory)
 
 
@@ -236,7 +238,9 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("position_ids disagree with attention_mask: DiffEqFormer counts a "
                              "token's position as the real tokens before it (no packed "
                              "sequences); pass none, or those")
-        if cfg.flavor == "gpt" and count[:, -1].max() > cfg.block_size:  # its window moves
+        # past block_size real tokens? (within past + T, shapes alone say no: torch.compile traces)
+        beyond = past + T > cfg.block_size and bool(count[:, -1].max() > cfg.block_size)
+        if cfg.flavor == "gpt" and beyond:  # its window moves
             if trajectory[1]:
                 raise ValueError(f"output_attentions=True past block_size={cfg.block_size}: a "
                                  f"GPT-flavour model reads each token there in a window of its "
@@ -254,7 +258,8 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         kept = torch.arange(max(T - logits_to_keep, 0) if logits_to_keep else 0, T,
                             device=input_ids.device)  # the columns whose logits come back
         if cache is None:
-            out = self.recomputed(input_ids, real, count, weights, kept, trajectory)
+            out = self.recomputed(input_ids, real, count, weights, kept, trajectory,
+                                  attention_mask is None and not (cfg.flavor == "gpt" and beyond))
         else:  # a pad takes the logits (and states) of the last real token before it
             out = self.cached(input_ids, real, count, cache, weights, trajectory)  # (right-padded
             col = torch.arange(T, device=input_ids.device)  # prompts generate as alone)
@@ -262,7 +267,8 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             out = out.take(torch.where(last_real >= 0, last_real, col), kept)
         logits = out.logits
         real_vocab = logits[..., :self.model.cfg.tokenizer_vocab or None]  # (the rest: -inf)
-        if not real_vocab.isfinite().all():
+        # (not while torch.compile or torch.export trace it: a check of values would split the graph)
+        if not compiling() and not real_vocab.isfinite().all():
             raise ValueError(f"{int((~real_vocab.isfinite()).sum()):,} logits are NaN or inf: the "
                              f"weights overflow {logits.dtype} (too large? a run that diverged?)")
         loss = None
@@ -321,7 +327,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             passes.append(self.run(input_ids[:, start:start + L], weights, context, trajectory))
         return joined(passes, past + T)
 
-    def recomputed(self, input_ids, real, count, weights, kept, trajectory):
+    def recomputed(self, input_ids, real, count, weights, kept, trajectory, plain=False):
         """Logits of the columns `kept` of input_ids, without a cache: each row's real tokens moved
         to its front, where they sit at positions 0, 1, ... and the plain causal mask keeps every
         pad (all after them) out of their sight, through the model at once; a column takes the
@@ -329,7 +335,12 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         before every real token: its own, read alone). Past block_size the Llama flavour slides its
         window (model.py); a GPT-flavour token past the first block_size of its row is read again
         with its last block_size tokens at positions 0..block_size-1. The trajectory, where asked,
-        of every column, its keys in their columns."""
+        of every column, its keys in their columns. plain (no attention_mask, and a GPT flavour's
+        tokens inside its context): every token is real and sits at its position, so the model
+        reads input_ids at once, a pass that shapes alone decide (torch.compile, torch.export)."""
+        if plain:
+            out = self.run(input_ids, weights, None, trajectory)
+            return out._replace(logits=out.logits[:, kept])
         cfg, (B, T) = self.model.cfg, input_ids.shape
         L = cfg.block_size if cfg.flavor == "gpt" else T
         order = real.int().argsort(dim=1, descending=True, stable=True)  # (B, T): real ones first
