@@ -367,6 +367,29 @@ def test_a_static_cache_is_refused_in_one_line_that_names_what_to_pass(exported)
     assert not calls
 
 
+@pytest.mark.parametrize("implementation", ["static", "offloaded", "quantized"])
+def test_a_cache_implementation_other_than_dynamic_is_refused_before_any_pass(implementation, exported):
+    """generate(cache_implementation="static") (or "offloaded", "quantized"; given, or in the
+    generation config) decoded with the dynamic cache without a word: now one line naming what
+    to use instead, before any pass. "dynamic" generates the default's tokens."""
+    theirs = auto(exported["llama"])
+    idx = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
+    refused = (f"cache_implementation='{implementation}': DiffEqFormer decodes through a DiffEqFormerCache, a "
+               f"layer for each evaluation of F, which transformers' {implementation} cache does not have; generate "
+               f"without it (the dynamic cache), or decode with sample.py's static KV caches (python sample.py --compile)")
+    with torch.no_grad():
+        greedy = theirs.generate(idx, max_new_tokens=3, do_sample=False)
+        assert torch.equal(theirs.generate(idx, max_new_tokens=3, do_sample=False, cache_implementation="dynamic"), greedy)
+        calls = []
+        theirs.model.register_forward_pre_hook(lambda m, args: calls.append(1))
+        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+            theirs.generate(idx, max_new_tokens=3, cache_implementation=implementation)
+        theirs.generation_config.cache_implementation = implementation
+        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+            theirs.generate(idx, max_new_tokens=3)
+    assert not calls
+
+
 @pytest.mark.parametrize("kind", ["diffeq", "llama"])
 def test_prompt_lookup_and_assisted_decoding_give_greedy_tokens(kind, exported):
     """prompt_lookup_num_tokens and assistant_model (the model itself: every guess is right) give

@@ -186,7 +186,15 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, mode, *args):
         """generate()'s cache, a DiffEqFormerCache, there before the first pass: prompt lookup
         and assisted decoding crop it after each guess. A GPT-flavour model re-reads every token's
-        window past block_size, without a cache: those two are refused there."""
+        window past block_size, without a cache: those two are refused there. transformers' other
+        caches ("static", "offloaded", "quantized") have a layer per hidden layer: refused."""
+        kind = generation_config.cache_implementation
+        if kind not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={kind!r}: DiffEqFormer decodes through a "
+                             f"DiffEqFormerCache, a layer for each evaluation of F, which "
+                             f"transformers' {kind} cache does not have; generate without it (the "
+                             f"dynamic cache), or decode with sample.py's static KV caches "
+                             f"(python sample.py --compile)")
         L = self.model.cfg.block_size
         if (mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant) \
                 and self.model.cfg.flavor == "gpt" and generation_config.max_length > L:
