@@ -643,15 +643,16 @@ def test_peft_lora_on_a_blocks_linears_trains_and_merges(kind, exported, tmp_pat
         torch.testing.assert_close(model.merge_and_unload()(idx).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind, wrapped", [("llama", ["attn", "down", "gate", "proj", "up"]), ("diffeq", ["L1", "L2"])])
-def test_peft_all_linear_leaves_the_llama_head_out(kind, wrapped, exported):
+@pytest.mark.parametrize("kind, wrapped", [("llama", ["attn", "down", "gate", "proj", "up"]), ("diffeq", ["L1", "L2"]),
+                                           ("gpt", ["attn", "fc", "fc2", "proj"])])
+def test_peft_all_linear_leaves_the_head_out(kind, wrapped, exported):
     """target_modules="all-linear" (the recipe of docs/transformers-tools.md) wraps every block linear of a
     Llama-flavour model and not its head, as in LlamaForCausalLM (peft leaves out what
-    get_output_embeddings names), and a DiffEqFormer's time MLPs; merged, the logits are the peft
-    model's."""
+    get_output_embeddings names), a GPT's block linears and not its head (tied to wte), and a
+    DiffEqFormer's time MLPs; merged, the logits are the peft model's."""
     peft = pytest.importorskip("peft")
     theirs = auto(exported[kind])
-    assert theirs.get_output_embeddings() is theirs.model.lm_head and auto(exported["gpt"]).get_output_embeddings() is None
+    assert theirs.get_output_embeddings() is (theirs.model.lm_head if kind == "llama" else theirs.tied_head)
     torch.manual_seed(0)
     model = peft.get_peft_model(theirs, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     assert sorted({n.split(".")[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}) == wrapped
@@ -778,6 +779,31 @@ def test_set_input_and_output_embeddings_put_the_modules_given_in_place(exported
     with torch.no_grad():
         theirs(torch.tensor([[1, 2, 3]]))
     assert called == [wte, head]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "diffeq", "llama"])
+def test_the_gpt_flavours_head_is_tied_to_wte_as_gpt2s(kind, exported, tmp_path):
+    """A GPT-flavour model says its head is tied, as GPT2LMHeadModel does: config.tie_word_embeddings,
+    and get_output_embeddings() a head whose weight is wte's, which reads the logits off the last
+    hidden state (a logit lens), follows resize_token_embeddings, and is tied again after a save;
+    a Llama-flavour model's is its own lm_head, untied, as LlamaForCausalLM's."""
+    theirs = auto(exported[kind])
+    gpt = kind != "llama"
+    head = theirs.get_output_embeddings()
+    assert theirs.config.tie_word_embeddings is gpt and (head.weight is theirs.model.wte.weight) is gpt
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(22))
+    with torch.no_grad():
+        out = theirs(idx, output_hidden_states=True)
+        torch.testing.assert_close(head(out.hidden_states[-1]), out.logits, rtol=0, atol=1e-5)
+        theirs.resize_token_embeddings(100)
+        head = theirs.get_output_embeddings()
+        assert head.weight.shape[0] == 100 and (head.weight is theirs.model.wte.weight) is gpt
+        assert (theirs.model.lm_head is None) is gpt  # model.py's GPT head: still wte.weight itself
+        logits = theirs(idx).logits
+        theirs.save_pretrained(tmp_path / "resized")
+        again = auto(tmp_path / "resized")
+        assert again.config.tie_word_embeddings is gpt and (again.get_output_embeddings().weight is again.model.wte.weight) is gpt
+        assert torch.equal(again(idx).logits, logits)
 
 
 def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):

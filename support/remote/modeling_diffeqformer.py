@@ -101,6 +101,23 @@ def joined(passes, S):
     return Pass(torch.cat([p.logits for p in passes], 1), states, attentions)
 
 
+class TiedHead(torch.nn.Module):
+    """The GPT flavour's head, tied to the token embedding as GPT-2's lm_head is: logits = x wte^T.
+    It holds no weight of its own (model.py reads wte.weight), so peft's all-linear leaves it out
+    and resize_token_embeddings resizes wte alone, which it follows."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.tied_to = [model]  # (a list: model.py's DiffEqFormer is not a submodule of the head)
+
+    @property
+    def weight(self):
+        return self.tied_to[0].wte.weight
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
 class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DiffEqFormerConfig
     base_model_prefix = "model"  # model.safetensors names the weights as DiffEqFormer does
@@ -113,6 +130,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = ModelConfig(**config.model_config)
         cfg.depth(config.steps, config.solver)  # steps and solver it runs: refused here, at load
         self.model = DiffEqFormer(cfg)
+        self.tied_head = TiedHead(self.model) if self.model.lm_head is None else None  # GPT's
         self.post_init()  # transformers' bookkeeping (tied weights: none; the GPT head reads wte)
 
     def _init_weights(self, module):
@@ -153,10 +171,11 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         self.model.wte = embeddings
 
     def get_output_embeddings(self):
-        return self.model.lm_head  # the Llama flavour's; None for the GPT flavour's (wte, tied)
+        return self.tied_head if self.model.lm_head is None else self.model.lm_head  # GPT: wte's
 
     def set_output_embeddings(self, head):
-        self.model.lm_head = head
+        if head is not self.tied_head:  # (resize gives the tied head back: it follows wte)
+            self.model.lm_head = head
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, **kwargs):
         """transformers' resize, and model.py's config with it (config.json's model_config, which
