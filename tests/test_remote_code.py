@@ -367,6 +367,29 @@ def test_a_static_cache_is_refused_in_one_line_that_names_what_to_pass(exported)
     assert not calls
 
 
+@pytest.mark.parametrize("implementation", ["static", "offloaded", "quantized"])
+def test_a_cache_implementation_other_than_dynamic_is_refused_before_any_pass(implementation, exported):
+    """generate(cache_implementation="static") (or "offloaded", "quantized"; given, or in the
+    generation config) decoded with the dynamic cache without a word: now one line naming what
+    to use instead, before any pass. "dynamic" generates the default's tokens."""
+    theirs = auto(exported["llama"])
+    idx = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
+    refused = (f"cache_implementation='{implementation}': DiffEqFormer decodes through a DiffEqFormerCache, a "
+               f"layer for each evaluation of F, which transformers' {implementation} cache does not have; generate "
+               f"without it (the dynamic cache), or decode with sample.py's static KV caches (python sample.py --compile)")
+    with torch.no_grad():
+        greedy = theirs.generate(idx, max_new_tokens=3, do_sample=False)
+        assert torch.equal(theirs.generate(idx, max_new_tokens=3, do_sample=False, cache_implementation="dynamic"), greedy)
+        calls = []
+        theirs.model.register_forward_pre_hook(lambda m, args: calls.append(1))
+        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+            theirs.generate(idx, max_new_tokens=3, cache_implementation=implementation)
+        theirs.generation_config.cache_implementation = implementation
+        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+            theirs.generate(idx, max_new_tokens=3)
+    assert not calls
+
+
 @pytest.mark.parametrize("kind", ["diffeq", "llama"])
 def test_prompt_lookup_and_assisted_decoding_give_greedy_tokens(kind, exported):
     """prompt_lookup_num_tokens and assistant_model (the model itself: every guess is right) give
@@ -620,15 +643,16 @@ def test_peft_lora_on_a_blocks_linears_trains_and_merges(kind, exported, tmp_pat
         torch.testing.assert_close(model.merge_and_unload()(idx).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind, wrapped", [("llama", ["attn", "down", "gate", "proj", "up"]), ("diffeq", ["L1", "L2"])])
-def test_peft_all_linear_leaves_the_llama_head_out(kind, wrapped, exported):
+@pytest.mark.parametrize("kind, wrapped", [("llama", ["attn", "down", "gate", "proj", "up"]), ("diffeq", ["L1", "L2"]),
+                                           ("gpt", ["attn", "fc", "fc2", "proj"])])
+def test_peft_all_linear_leaves_the_head_out(kind, wrapped, exported):
     """target_modules="all-linear" (the recipe of docs/transformers-tools.md) wraps every block linear of a
     Llama-flavour model and not its head, as in LlamaForCausalLM (peft leaves out what
-    get_output_embeddings names), and a DiffEqFormer's time MLPs; merged, the logits are the peft
-    model's."""
+    get_output_embeddings names), a GPT's block linears and not its head (tied to wte), and a
+    DiffEqFormer's time MLPs; merged, the logits are the peft model's."""
     peft = pytest.importorskip("peft")
     theirs = auto(exported[kind])
-    assert theirs.get_output_embeddings() is theirs.model.lm_head and auto(exported["gpt"]).get_output_embeddings() is None
+    assert theirs.get_output_embeddings() is (theirs.model.lm_head if kind == "llama" else theirs.tied_head)
     torch.manual_seed(0)
     model = peft.get_peft_model(theirs, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     assert sorted({n.split(".")[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}) == wrapped
@@ -757,6 +781,31 @@ def test_set_input_and_output_embeddings_put_the_modules_given_in_place(exported
     assert called == [wte, head]
 
 
+@pytest.mark.parametrize("kind", ["gpt", "diffeq", "llama"])
+def test_the_gpt_flavours_head_is_tied_to_wte_as_gpt2s(kind, exported, tmp_path):
+    """A GPT-flavour model says its head is tied, as GPT2LMHeadModel does: config.tie_word_embeddings,
+    and get_output_embeddings() a head whose weight is wte's, which reads the logits off the last
+    hidden state (a logit lens), follows resize_token_embeddings, and is tied again after a save;
+    a Llama-flavour model's is its own lm_head, untied, as LlamaForCausalLM's."""
+    theirs = auto(exported[kind])
+    gpt = kind != "llama"
+    head = theirs.get_output_embeddings()
+    assert theirs.config.tie_word_embeddings is gpt and (head.weight is theirs.model.wte.weight) is gpt
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(22))
+    with torch.no_grad():
+        out = theirs(idx, output_hidden_states=True)
+        torch.testing.assert_close(head(out.hidden_states[-1]), out.logits, rtol=0, atol=1e-5)
+        theirs.resize_token_embeddings(100)
+        head = theirs.get_output_embeddings()
+        assert head.weight.shape[0] == 100 and (head.weight is theirs.model.wte.weight) is gpt
+        assert (theirs.model.lm_head is None) is gpt  # model.py's GPT head: still wte.weight itself
+        logits = theirs(idx).logits
+        theirs.save_pretrained(tmp_path / "resized")
+        again = auto(tmp_path / "resized")
+        assert again.config.tie_word_embeddings is gpt and (again.get_output_embeddings().weight is again.model.wte.weight) is gpt
+        assert torch.equal(again(idx).logits, logits)
+
+
 def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
     """attn_implementation="sdpa" loads (model.py attends with scaled_dot_product_attention), as
     "eager" does, and both give the logits of a plain load."""
@@ -767,6 +816,39 @@ def test_attn_implementation_sdpa_is_the_attention_model_py_computes(exported):
             theirs = auto(exported["diffeq"], attn_implementation=implementation)
             assert theirs.config._attn_implementation == implementation
             assert torch.equal(theirs(idx).logits, expected)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "midpoint", "rk4"])
+def test_torch_compile_fullgraph_and_torch_export_give_the_eager_logits(kind, exported, tmp_path):
+    """torch.compile(model.forward, fullgraph=True) (through the cache eval() keeps; with an all-ones
+    attention_mask too, for either flavour) and torch.export.export(model, (ids,),
+    kwargs=dict(use_cache=False)) at any length up to block_size trace every kind, an ODE at each
+    solver, in one graph (no branch reads a tensor's values), and give the eager logits, the
+    exported program saved and loaded too. The Llama kind compiles with the default backend
+    (inductor), the rest with "eager": the same capture, fullgraph's check, without the code
+    generation that takes half a minute on a CPU."""
+    torch._dynamo.reset()  # (a fresh count of recompilations: the kinds share their code)
+    depth = dict(steps=2, solver=kind) if kind in SOLVERS else {}
+    theirs = auto(exported["diffeq" if depth else kind], **depth)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(20))
+    same = dict(rtol=1e-5, atol=1e-5)  # (inductor fuses and reorders: 3e-7 apart)
+    with torch.no_grad():
+        eager = theirs(ids).logits
+        forward = torch.compile(theirs.forward, fullgraph=True,
+                                backend="inductor" if kind == "llama" else "eager")
+        torch.testing.assert_close(forward(ids).logits, eager, **same)
+        if kind in ("diffeq", "llama"):  # the GPT and the Llama flavour
+            mask = torch.ones_like(ids)
+            torch.testing.assert_close(forward(ids, attention_mask=mask).logits, eager, **same)
+        T = torch.export.Dim("T", min=2, max=TINY["block_size"])  # (docs/export.md's recipe)
+        program = torch.export.export(theirs, (ids,), kwargs=dict(use_cache=False),
+                                      dynamic_shapes={"input_ids": {1: T}, "use_cache": None})
+        if kind == "llama":  # saved and loaded
+            torch.export.save(program, tmp_path / "program.pt2")
+            program = torch.export.load(tmp_path / "program.pt2")
+        torch.testing.assert_close(program.module()(ids, use_cache=False).logits, eager, **same)
+        longest = torch.randint(0, TINY["vocab_size"], (2, TINY["block_size"]), generator=torch.Generator().manual_seed(21))
+        torch.testing.assert_close(program.module()(longest, use_cache=False).logits, theirs(longest).logits, **same)
 
 
 def test_position_ids_that_agree_with_the_mask_are_taken(saved, exported, tmp_path):  # noqa: F811

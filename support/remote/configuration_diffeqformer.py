@@ -23,6 +23,7 @@ class DiffEqFormerConfig(PretrainedConfig):
         names = dict(vocab_size="vocab_size", max_position_embeddings="block_size",
                      hidden_size="n_embd", num_attention_heads="n_head")
         kwargs.update({name: self.model_config.get(ours) for name, ours in names.items()})
+        kwargs["tie_word_embeddings"] = self.model_config.get("flavor") == "gpt"  # GPT-2's, Llama's
         kwargs.pop("num_hidden_layers", None)  # (in a config.json of an earlier save)
         super().__init__(**kwargs)
         self.use_cache = use_cache  # a forward pass returns its KV cache (modeling_diffeqformer.py)

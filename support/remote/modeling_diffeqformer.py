@@ -45,6 +45,8 @@ from .configuration_diffeqformer import DiffEqFormerConfig
 from .model import DiffEqFormer, ModelConfig
 from .model_extras import Context
 
+compiling = torch.compiler.is_compiling  # torch.compile and torch.export trace a pass (no checks)
+
 WINDOWS_PER_PASS = 64  # GPT-flavour tokens past the context re-read per pass (bounds the memory)
 
 
@@ -99,6 +101,23 @@ def joined(passes, S):
     return Pass(torch.cat([p.logits for p in passes], 1), states, attentions)
 
 
+class TiedHead(torch.nn.Module):
+    """The GPT flavour's head, tied to the token embedding as GPT-2's lm_head is: logits = x wte^T.
+    It holds no weight of its own (model.py reads wte.weight), so peft's all-linear leaves it out
+    and resize_token_embeddings resizes wte alone, which it follows."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.tied_to = [model]  # (a list: model.py's DiffEqFormer is not a submodule of the head)
+
+    @property
+    def weight(self):
+        return self.tied_to[0].wte.weight
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
 class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DiffEqFormerConfig
     base_model_prefix = "model"  # model.safetensors names the weights as DiffEqFormer does
@@ -111,6 +130,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = ModelConfig(**config.model_config)
         cfg.depth(config.steps, config.solver)  # steps and solver it runs: refused here, at load
         self.model = DiffEqFormer(cfg)
+        self.tied_head = TiedHead(self.model) if self.model.lm_head is None else None  # GPT's
         self.post_init()  # transformers' bookkeeping (tied weights: none; the GPT head reads wte)
 
     def _init_weights(self, module):
@@ -151,10 +171,11 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         self.model.wte = embeddings
 
     def get_output_embeddings(self):
-        return self.model.lm_head  # the Llama flavour's; None for the GPT flavour's (wte, tied)
+        return self.tied_head if self.model.lm_head is None else self.model.lm_head  # GPT: wte's
 
     def set_output_embeddings(self, head):
-        self.model.lm_head = head
+        if head is not self.tied_head:  # (resize gives the tied head back: it follows wte)
+            self.model.lm_head = head
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, **kwargs):
         """transformers' resize, and model.py's config with it (config.json's model_config, which
@@ -184,7 +205,15 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, mode, *args):
         """generate()'s cache, a DiffEqFormerCache, there before the first pass: prompt lookup
         and assisted decoding crop it after each guess. A GPT-flavour model re-reads every token's
-        window past block_size, without a cache: those two are refused there."""
+        window past block_size, without a cache: those two are refused there. transformers' other
+        caches ("static", "offloaded", "quantized") have a layer per hidden layer: refused."""
+        kind = generation_config.cache_implementation
+        if kind not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={kind!r}: DiffEqFormer decodes through a "
+                             f"DiffEqFormerCache, a layer for each evaluation of F, which "
+                             f"transformers' {kind} cache does not have; generate without it (the "
+                             f"dynamic cache), or decode with sample.py's static KV caches "
+                             f"(python sample.py --compile)")
         L = self.model.cfg.block_size
         if (mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant) \
                 and self.model.cfg.flavor == "gpt" and generation_config.max_length > L:
@@ -236,7 +265,9 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("position_ids disagree with attention_mask: DiffEqFormer counts a "
                              "token's position as the real tokens before it (no packed "
                              "sequences); pass none, or those")
-        if cfg.flavor == "gpt" and count[:, -1].max() > cfg.block_size:  # its window moves
+        # past block_size real tokens? (within past + T, shapes alone say no: torch.compile traces)
+        beyond = past + T > cfg.block_size and bool(count[:, -1].max() > cfg.block_size)
+        if cfg.flavor == "gpt" and beyond:  # its window moves
             if trajectory[1]:
                 raise ValueError(f"output_attentions=True past block_size={cfg.block_size}: a "
                                  f"GPT-flavour model reads each token there in a window of its "
@@ -254,7 +285,8 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         kept = torch.arange(max(T - logits_to_keep, 0) if logits_to_keep else 0, T,
                             device=input_ids.device)  # the columns whose logits come back
         if cache is None:
-            out = self.recomputed(input_ids, real, count, weights, kept, trajectory)
+            out = self.recomputed(input_ids, real, count, weights, kept, trajectory,
+                                  attention_mask is None and not (cfg.flavor == "gpt" and beyond))
         else:  # a pad takes the logits (and states) of the last real token before it
             out = self.cached(input_ids, real, count, cache, weights, trajectory)  # (right-padded
             col = torch.arange(T, device=input_ids.device)  # prompts generate as alone)
@@ -262,7 +294,8 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             out = out.take(torch.where(last_real >= 0, last_real, col), kept)
         logits = out.logits
         real_vocab = logits[..., :self.model.cfg.tokenizer_vocab or None]  # (the rest: -inf)
-        if not real_vocab.isfinite().all():
+        # (not while torch.compile or torch.export trace it: a check of values would split the graph)
+        if not compiling() and not real_vocab.isfinite().all():
             raise ValueError(f"{int((~real_vocab.isfinite()).sum()):,} logits are NaN or inf: the "
                              f"weights overflow {logits.dtype} (too large? a run that diverged?)")
         loss = None
@@ -321,7 +354,7 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
             passes.append(self.run(input_ids[:, start:start + L], weights, context, trajectory))
         return joined(passes, past + T)
 
-    def recomputed(self, input_ids, real, count, weights, kept, trajectory):
+    def recomputed(self, input_ids, real, count, weights, kept, trajectory, plain=False):
         """Logits of the columns `kept` of input_ids, without a cache: each row's real tokens moved
         to its front, where they sit at positions 0, 1, ... and the plain causal mask keeps every
         pad (all after them) out of their sight, through the model at once; a column takes the
@@ -329,7 +362,12 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         before every real token: its own, read alone). Past block_size the Llama flavour slides its
         window (model.py); a GPT-flavour token past the first block_size of its row is read again
         with its last block_size tokens at positions 0..block_size-1. The trajectory, where asked,
-        of every column, its keys in their columns."""
+        of every column, its keys in their columns. plain (no attention_mask, and a GPT flavour's
+        tokens inside its context): every token is real and sits at its position, so the model
+        reads input_ids at once, a pass that shapes alone decide (torch.compile, torch.export)."""
+        if plain:
+            out = self.run(input_ids, weights, None, trajectory)
+            return out._replace(logits=out.logits[:, kept])
         cfg, (B, T) = self.model.cfg, input_ids.shape
         L = cfg.block_size if cfg.flavor == "gpt" else T
         order = real.int().argsort(dim=1, descending=True, stable=True)  # (B, T): real ones first
