@@ -130,3 +130,26 @@ def test_rk4s_training_step_generates_its_distinct_times_once_with_the_same_grad
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert len(ratio) == 2 and np.isfinite(ratio).all()
     assert "step time, distinct / per evaluation" in capsys.readouterr().out
+
+
+def test_the_rk4_benchmarks_steps_alternate_each_generating_its_own_variants_sets():
+    """The two variants are timed in alternation: a step per evaluation puts weightgen.times back as it found it,
+    so the distinct step after it generates its 2N + 1 sets again, not the 4N of the old code (which would
+    then be timed against itself)."""
+    from experiments import bench_rk4
+    torch.manual_seed(0)
+    model = DiffEqFormer(ModelConfig(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64, d_t=4,
+                                     time_freqs=4, solver="rk4"))
+    x, y = torch.randint(0, 64, (2, 2, 16))
+    assert [bench_rk4.step(model, x, y, duplicated)[0] for duplicated in (True, False, True, False)] == [12, 7, 12, 7]
+
+
+def test_the_rk4_benchmark_prints_the_difference_of_its_two_variants_gradients(capsys):
+    """The line the benchmark ends with gives the largest difference of the hypernetwork's gradients between the
+    distinct-times step and the per-evaluation one (sums in another order: tiny, not 0 in general), the
+    gradients it returns."""
+    from experiments import bench_rk4
+    facts, _ = bench_rk4.main(["--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2",
+                               "--pairs=1", "--warmup=0", "--d_t=4", "--time_freqs=4"])
+    diff = max((a - b).abs().max().item() for a, b in zip(facts["distinct"][2], facts["per evaluation"][2]))
+    assert capsys.readouterr().out.rstrip().endswith(f"largest difference of the hypernetwork's gradients {diff:.1e}")

@@ -468,6 +468,21 @@ def past_the_check(*args):
     raise AssertionError("past the check of out_dir: the run would claim it")
 
 
+@pytest.mark.parametrize("held", [None, '{"accuracy": 0.91}'], ids=["none", "a-users-json"])
+def test_overwrite_removes_every_run_file_beside_a_users_results_json_or_none(tmp_path, held):
+    """Every file of the earlier run goes, those named after results.json in RUN_FILES too (log.jsonl, loss.png,
+    tensorboard/), whether the folder holds no results.json or a user's, which stays."""
+    from support import runlog
+    if held is not None:
+        (tmp_path / "results.json").write_text(held)
+    for name in ("ckpt.pt", "adapters.pt", "log.jsonl", "loss.png"):
+        (tmp_path / name).write_bytes(b"the earlier run's")
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events").write_bytes(b"the earlier run's")
+    runlog.start_over(str(tmp_path))
+    assert os.listdir(tmp_path) == ([] if held is None else ["results.json"])
+
+
 @pytest.mark.parametrize("out_dir,what", [
     (".", "the repository's root"), (ROOT, "the repository's root"), ("data", "in the repository's data/"),
     ("data/tinyshakespeare", "in the repository's data/"), ("data/new", "in the repository's data/"),
@@ -502,6 +517,24 @@ def test_a_folder_of_the_projects_own_files_is_refused_as_out_dir_before_anythin
         assert line.startswith(f"error: {flag}={out_dir} {expected}"), (main.__module__, line)
     assert (sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None) == before
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("script,argv", [("analyze", ["--spectral", "--times=1"]), ("depth", ["--steps=0"]),
+                                         ("depth", ["--solvers=nope"]), ("depth", ["--tolerances=2"])])
+def test_an_out_among_the_projects_own_files_is_refused_first_whatever_else_is_wrong(
+        tmp_path, capsys, monkeypatch, script, argv):
+    """--out=docs beside a bad --times or --steps was refused for the option alone: the user fixed it and was
+    refused again for the folder. The folder is said first, before the options' rules and the checkpoint."""
+    from test_faults import one_line
+    from experiments import depth
+    import analyze
+    base = tmp_path / "base.pt"
+    base.write_bytes(b"a base checkpoint")  # refused before it is read
+    monkeypatch.setattr(checkpoints, "load_model", past_the_check)
+    main = {"analyze": analyze.main, "depth": depth.main}[script]
+    line = one_line(main, [*argv, f"--init_from={base}", "--out=docs"], capsys, monkeypatch)
+    assert line == ("error: --out=docs is in the repository's docs/, whose files are the project's own: "
+                    "choose another --out (out-NAME, say)")
 
 
 def test_a_config_files_out_dir_is_named_as_that_file_sets_it(tmp_path, capsys, monkeypatch):

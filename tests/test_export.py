@@ -146,6 +146,25 @@ def test_an_export_exported_again_in_place_keeps_its_training_history(kind, save
     assert json.load(open(os.path.join(folder, "config.json")))["training"] == first
 
 
+@pytest.mark.parametrize("record,said", [
+    (dict(finetune_config=dict(steps=6), base_checkpoint="/home/someone/runs/ckpt.pt"), "fine-tuned from ckpt.pt: "),
+    (dict(merged_from="/home/someone/runs/out-ft/adapters.pt"), "LoRA adapters adapters.pt merged into their base")],
+    ids=["fine-tuned", "merged"])
+def test_a_fine_tuned_or_merged_models_card_names_where_it_came_from_by_the_file_alone(record, said, saved,
+                                                                                        tmp_path):
+    """finetune.py records its base, and a merge the adapters it merged, by their absolute paths (a resume from
+    another directory finds them): the card and config.json's training sentence, which an export pushes, name
+    that file alone, without the user's folders."""
+    run = checkpoints.load(saved["diffeq"])
+    run.update(record)
+    checkpoints.save(run, str(tmp_path / "run.pt"))
+    export.export(str(tmp_path / "run.pt"), str(tmp_path / "folder"))
+    card = open(tmp_path / "folder" / "README.md").read()
+    training = json.load(open(tmp_path / "folder" / "config.json"))["training"]
+    assert training.startswith(said) and f"## Training\n\n{said}" in card
+    assert "/home/someone" not in card + training
+
+
 def test_adapters_export_the_validation_loss_after_fine_tuning(saved, tmp_path):
     """An adapters file's folder reports the validation loss its fine-tuning run ended at
     (results.json's `after`, beside the file), not the one before fine-tuning, in config.json and

@@ -446,6 +446,23 @@ def test_resuming_a_fine_tuning_run_with_train_py_says_to_resume_it_with_finetun
     assert line == f"error: {out} holds a fine-tuning run, not a pretraining run: resume it with finetune.py"
 
 
+def test_a_fine_tuning_run_on_other_data_resumed_with_train_py_says_first_what_it_is(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A fine-tuning run trains on finetune.py's data (wikitext2_test), not on train.py's default: train.py
+    --init_from=resume on its folder says first which script resumes it, not to resume with
+    --dataset=wikitext2_test (advice that would still take the wrong script)."""
+    from test_faults import one_line
+    from test_sample import byte_model
+    out = tmp_path / "ft"
+    model = byte_model()
+    checkpoints.save(dict(kind=checkpoints.LORA_RUN, model_config=model.cfg.to_dict(), model=model.state_dict(),
+                          tokenizer="byte", train_config=dict(dataset="wikitext2_test"),
+                          finetune_config=dict(steps=6)), str(out / "ckpt.pt"))
+    monkeypatch.setattr(common, "prepare_data", lambda *a: pytest.fail("work began"))
+    line = one_line(train.main, ["--init_from=resume", f"--out_dir={out}"], capsys, monkeypatch)
+    assert line == f"error: {out} holds a fine-tuning run, not a pretraining run: resume it with finetune.py"
+
+
 @pytest.mark.parametrize("argv", [["--n_embd=64"], ["--n_embd=48"], ["--n_head=5"], ["--n_embd=64", "--n_layer=3"]])
 def test_a_shape_flag_is_refused_before_a_config_is_built_from_it(tmp_path, capsys, monkeypatch, argv):
     """--n_embd=64 on a 2-head checkpoint said "n_head=12 does not divide n_embd=64": the dataclass's default

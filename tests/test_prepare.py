@@ -1,6 +1,7 @@
 """prepare.py without the network: round trips, the uint16/uint32 switch, reuse, one-line errors."""
 import json
 import os
+import re
 import socket
 import sys
 import urllib.request
@@ -11,7 +12,7 @@ import pytest
 from support.configurator import UserError, run_main, written
 from prepare import get_tokenizer, load_meta, load_tokens, main, prepare, token_dtype, write_tokens
 
-from conftest import ROOT, SHARED, tokenizer_or_skip
+from conftest import ROOT, SHARED, no_work, tokenizer_or_skip
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé → ✓\n" * 20
 
@@ -136,6 +137,64 @@ def test_a_run_stopped_while_it_waits_leaves_the_preparing_runs_lock(tmp_path):
     with module.preparing(str(tmp_path), str(tmp_path / "x")):
         assert lock.exists()
     assert not lock.exists()
+
+
+def test_the_lock_is_held_while_the_data_is_prepared(tmp_path, monkeypatch):
+    """While a run tokenizes and writes the data, another cannot take the lock (it waits): the lock is held
+    over the preparation, not taken and let go before it."""
+    import filelock
+    import prepare as module
+    path, lock, tried = write(tmp_path / "a.txt", TEXT), tmp_path / "data" / ".mytext_byte.lock", []
+
+    def get_tokenizer(*args):  # the preparation under way: a second run tries the lock
+        with pytest.raises(filelock.Timeout):
+            filelock.FileLock(str(lock), timeout=0).acquire()
+        tried.append(lock.exists())
+        return real(*args)
+    real = module.get_tokenizer
+    monkeypatch.setattr(module, "get_tokenizer", get_tokenizer)
+    data_dir = prepare("mytext", "byte", input_file=path, data_root=str(tmp_path / "data"))
+    assert tried == [True] and load_meta(data_dir)["train_tokens"] > 0
+
+
+@pytest.mark.parametrize("text,refused", [(b"caf\xe9 au lait", "is not UTF-8 text"),
+                                          (b"x", "the train split of .* is empty")], ids=["not-utf8", "empty-split"])
+def test_a_preparation_that_fails_leaves_no_lock_file_behind(tmp_path, text, refused):
+    """A preparation stopped inside the lock (a text that is not UTF-8, an empty split; Ctrl-C or a full disk
+    alike) left data/.NAME.lock behind: the lock's file goes with the lock, however the preparation ends."""
+    path, root = tmp_path / "a.txt", tmp_path / "data"
+    path.write_bytes(text)
+    with pytest.raises(UserError, match=refused):
+        prepare("mytext", "byte", input_file=str(path), data_root=str(root))
+    assert [name for name in os.listdir(root) if name.endswith(".lock")] == []
+
+
+def test_prepared_data_is_reused_without_the_lock_or_writing_into_data_root(tmp_path, capsys, monkeypatch):
+    """Data prepared already is read, not written: reusing it neither takes the lock (a file in data_root)
+    nor checks that data_root can be written (a read-only or shared data folder serves as it is)."""
+    import prepare as module
+    path = write(tmp_path / "a.txt", TEXT)
+    data_dir = prepare("mytext", "byte", input_file=path, data_root=str(tmp_path / "data"))
+    capsys.readouterr()
+    no_work(monkeypatch, module, "make_dir", "preparing")
+    assert prepare("mytext", "byte", input_file=path, data_root=str(tmp_path / "data")) == data_dir
+    assert "reusing" in capsys.readouterr().out
+
+
+def test_the_default_data_root_in_the_repository_is_the_scripts_own_to_write(tmp_path, monkeypatch):
+    """--data_root's default, the repository's data/, is a folder of the project's own that no run may write
+    into: prepare.py's data is (beside the shipped corpora), and it goes on to take the lock there."""
+    import prepare as module
+
+    class Preparing(Exception):
+        pass
+
+    def preparing(data_root, data_dir):
+        raise Preparing(data_dir)
+    monkeypatch.setattr(module, "preparing", preparing)
+    path = write(tmp_path / "a.txt", TEXT)
+    with pytest.raises(Preparing, match=f"^{re.escape(os.path.join(ROOT, 'data', 'mytext_byte'))}$"):
+        prepare("mytext", "byte", input_file=path, data_root=os.path.join(ROOT, "data"))
 
 
 def test_a_same_size_edit_of_the_text_is_prepared_again(tmp_path, capsys):

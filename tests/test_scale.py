@@ -337,6 +337,17 @@ def test_an_any_depth_plan_is_the_plan_of_its_deepest_draw():
     assert sum(plan("12").values()) > sum(plan("2").values())
 
 
+def test_an_any_depth_plans_generated_weights_are_those_of_its_deepest_draw():
+    """--train_steps=2-12 on a 6-layer ODE generates W at up to 12 stage times in an iteration (Euler's 12
+    distinct times at 12 steps): the plan's generated weights and their dL/dW count 12 sets, not n_layer's 6."""
+    mcfg = ModelConfig(n_layer=6, n_embd=64, n_head=2, vocab_size=256, block_size=64, d_t=4, time_freqs=4)
+    plan = memory.dry_run(mcfg, train.TrainConfig(train_steps="2-12"), 1, dtype=torch.float32, verbose=False)
+    with torch.device("meta"):
+        sets = memory.generated_numel(DiffEqFormer(mcfg))
+    assert plan["generated weights W(t_k), once per step"] == 4 * sets * 12
+    assert plan["dL/dW(t_k), accumulated in fp32 over the micro-steps"] == 4 * sets * 12
+
+
 def test_the_plan_counts_rk4s_distinct_times_not_its_evaluations():
     """At 12 RK4 steps the hypernetwork generates W at 2 * 12 + 1 = 25 distinct times (a step's last
     stage time is the next step's first, its two midpoints one), not at its 48 evaluations: the plan's
@@ -348,6 +359,40 @@ def test_the_plan_counts_rk4s_distinct_times_not_its_evaluations():
         sets = memory.generated_numel(DiffEqFormer(mcfg))
     assert plan["dL/dW(t_k), accumulated in fp32 over the micro-steps"] == 4 * sets * 25
     assert plan["generated weights W(t_k), once per step"] == 4 * sets * 25
+
+
+def test_weights_generated_in_every_micro_step_are_planned_with_their_gradients():
+    """--generate_once=False: each micro-step's forward generates W at the distinct stage times and its backward
+    holds their gradients, both in the compute dtype: 2 b bytes per generated entry (RK4 at 12 steps: 25 sets),
+    and none once per step."""
+    mcfg = ModelConfig(n_layer=12, n_embd=64, n_head=2, vocab_size=256, block_size=64, d_t=4,
+                       time_freqs=4, solver="rk4")
+    plan = memory.dry_run(mcfg, train.TrainConfig(generate_once=False), 1, dtype=torch.float32, verbose=False)
+    with torch.device("meta"):
+        sets = memory.generated_numel(DiffEqFormer(mcfg))
+    assert plan["generated weights and their gradients, in every micro-step"] == 2 * 4 * sets * 25
+    assert plan["generated weights W(t_k), once per step"] == 0
+
+
+@pytest.mark.parametrize("model_type,flavor,solver,qkv", [
+    ("diffeq", "llama", "rk4", 25), ("diffeq", "gpt", "rk4", 0), ("baseline", "llama", "euler", 0)])
+def test_a_llama_odes_fused_q_k_v_weight_is_planned_once_per_distinct_stage_time(model_type, flavor, solver,
+                                                                                  qkv):
+    """A Llama ODE's attention multiplies the state by q, k and v's weights fused into one, made for each stage
+    time and kept for the backward: 3 C^2 values per distinct time (RK4 at 12 steps: 25, not its 48
+    evaluations). A GPT ODE keeps no such copy, nor a Llama of layers (its weights are parameters): their
+    activations are the evaluations' and the final norm's alone."""
+    mcfg = ModelConfig(model_type=model_type, flavor=flavor, n_layer=12, n_embd=64, n_head=2, vocab_size=256,
+                       block_size=64, d_t=4, time_freqs=4, solver=solver)
+    cfg = train.TrainConfig(batch_size=2)
+    with torch.device("meta"):
+        phase, plan = memory.memory_plan(DiffEqFormer(mcfg), mcfg, cfg, 1, torch.float32, "cpu")
+    (activations,) = [v for k, v in plan.items() if k.startswith("activations")]
+    B, T, C = 2, 64, 64
+    evals = 48 if solver == "rk4" else 12
+    final = (2 * 4 + 4 * (flavor == "llama") + 4) * B * T * C  # X(1), its norm, the output
+    assert activations == memory.activation_bytes(mcfg, torch.float32, "cpu") * B * T * evals + final + \
+        4 * 3 * C * C * qkv
 
 
 @pytest.mark.parametrize("model_type,flavor,solver", [("diffeq", "gpt", "rk4"), ("shared", "llama", "midpoint"),

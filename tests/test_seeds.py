@@ -108,6 +108,21 @@ def test_a_read_only_runs_folder_is_one_line_before_any_work(tmp_path, capsys, m
                    f"choose another --runs"
 
 
+@pytest.mark.parametrize("runs,what", [("data/seed-runs", "in the repository's data/"),
+                                       ("results", "in the repository's results/")])
+def test_a_runs_folder_among_the_projects_own_files_is_one_line_before_any_work(runs, what, tmp_path, capsys,
+                                                                                monkeypatch):
+    """--runs is where the seed runs write their checkpoints and logs, a run's folder as any other: one of the
+    project's own (data/, even results/ where the record goes) is refused in one line and nothing is made."""
+    no_work(monkeypatch, seeds, "initial_weights", "run")
+    path = os.path.join(ROOT, runs)
+    before = sorted(os.listdir(path)) if os.path.isdir(path) else None
+    line = one_line(seeds.main, [f"--runs={path}", f"--out={tmp_path / 's.json'}"], capsys, monkeypatch)
+    assert line == (f"error: --runs={path} is {what}, whose files are the project's own: choose another --runs "
+                    f"(out-NAME, say)")
+    assert (sorted(os.listdir(path)) if os.path.isdir(path) else None) == before and os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("held", ["a text file\n", '{"1": {"1337": {"val_lo', "[1, 2]",
                                   '{"loss": 1.9}', '{"1": {"1337": {"val_loss": 1.9}}}',
                                   '{"1": {"1337": {"val_loss": "1.9", "train_loss": 2, '
