@@ -105,7 +105,7 @@ def run_tests(cfg, clock, report):
         report["tests"] = dict(skipped=reason)
         return
     xml, log = os.path.join(cfg.out, "cuda-tests.xml"), os.path.join(cfg.out, "cuda-tests.log")
-    cmd = [sys.executable, "-m", "pytest", TESTS, "-p", "no:cacheprovider", "-vv",
+    cmd = [sys.executable, "-m", "pytest", TESTS, "-p", "no:cacheprovider", "-n", "0", "-vv",  # one GPU
            f"--junitxml={os.path.abspath(xml)}", "-o", "junit_family=xunit1"]  # record_property's family
     environ = {**os.environ, "GPU_CHECK_DEADLINE": str(time.time() + deadline)}
     if os.path.exists(xml):  # an earlier check's

@@ -86,6 +86,21 @@ def at_repository_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """-n auto (pytest.ini): a worker per core, at most 4 (each imports torch and builds its own
+    fixtures, so more cost more than they give on this suite)."""
+    return min(os.cpu_count() or 1, 4)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread_per_worker():
+    """Under -n (pytest-xdist), each worker computes on its share of the cores, not on all of them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 def pytest_addoption(parser):
     parser.addoption("--skipped-to", metavar="FILE", help="write the ids of the tests that skipped to "
                      "FILE, one a line (.ci/run runs them again once the optional extras are installed)")

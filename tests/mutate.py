@@ -127,7 +127,7 @@ def run_pytest(where, args, timeout=None):
     """pytest's exit status (None past the timeout) and its output, run in the folder `where`."""
     env = dict(os.environ, OMP_NUM_THREADS="1",  # the workers run side by side
                PYTHONDONTWRITEBYTECODE="1")  # a mutated file's .pyc could outlive it, same size
-    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *args],
                          cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     RUNNING.add(p)
