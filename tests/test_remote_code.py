@@ -350,44 +350,84 @@ def test_generate_runs_one_position_per_token_through_the_cache(saved, exported)
         assert torch.equal(out.sequences, sample.generate(ours, idx, 10, temperature=0, steps=4, solver="midpoint"))
 
 
-def test_a_static_cache_is_refused_in_one_line_that_names_what_to_pass(exported):
-    """A StaticCache as past_key_values (its layers shaped as a layer's, one per hidden layer) met a
-    shape mismatch deep in attention: now one line naming what to pass, to the model and to generate,
-    before any pass."""
-    theirs = auto(exported["diffeq"], steps=2, solver="rk4")
-    idx = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
-    refused = ("past_key_values is a StaticCache, whose layers have a layer's shapes; DiffEqFormer keeps a "
-               "layer for each evaluation of F: pass a DynamicCache, or none (generate makes its own)")
-    calls = []
-    theirs.model.register_forward_pre_hook(lambda m, args: calls.append(1))
-    for run in (lambda cache: theirs(idx, past_key_values=cache),
-                lambda cache: theirs.generate(idx, max_new_tokens=2, past_key_values=cache)):
-        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
-            run(transformers.StaticCache(config=theirs.config, max_cache_len=16))
-    assert not calls
-
-
-@pytest.mark.parametrize("implementation", ["static", "offloaded", "quantized"])
-def test_a_cache_implementation_other_than_dynamic_is_refused_before_any_pass(implementation, exported):
-    """generate(cache_implementation="static") (or "offloaded", "quantized"; given, or in the
-    generation config) decoded with the dynamic cache without a word: now one line naming what
-    to use instead, before any pass. "dynamic" generates the default's tokens."""
-    theirs = auto(exported["llama"])
-    idx = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
-    refused = (f"cache_implementation='{implementation}': DiffEqFormer decodes through a DiffEqFormerCache, a "
-               f"layer for each evaluation of F, which transformers' {implementation} cache does not have; generate "
-               f"without it (the dynamic cache), or decode with sample.py's static KV caches (python sample.py --compile)")
+@pytest.mark.parametrize("kind", ["rk4", "gpt", "llama"])
+def test_a_static_cache_gives_the_dynamic_caches_tokens_and_compiles_once(kind, exported):
+    """generate(cache_implementation="static"), and a transformers StaticCache given to it (a layer
+    per evaluation of F: config.num_hidden_layers), give the dynamic cache's greedy tokens on a
+    left-padded batch, an ODE at RK4 (its block weights generated once per generation), a Llama
+    flavour past its context (its sliding window inside the slots). The static
+    cache's shapes stay the same from token to token, so transformers' recipe,
+    torch.compile(model.forward, fullgraph=True), traces the prompt's pass and the one-token pass
+    once each: a second generate recompiles nothing. (The eager backend: dynamo's capture and
+    fullgraph's check, without inductor's code generation, half a minute on a CPU.)"""
+    torch._dynamo.reset()  # (a fresh count of recompilations: the kinds share their code)
+    depth = dict(steps=2, solver="rk4") if kind == "rk4" else {}
+    theirs = auto(exported["diffeq" if depth else kind], **depth)
+    g = torch.Generator().manual_seed(7)
+    ids, mask = padded([torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in (9, 5)], "left")
+    n = TINY["block_size"] - 9 + (8 if kind == "llama" else 0)  # GPT: max_length = block_size
+    greedy = dict(attention_mask=mask, max_new_tokens=n, do_sample=False)
+    fed, made = [], []
+    hooks = [theirs.model.register_forward_pre_hook(lambda m, args: fed.append(args[0].size(1)))]
+    if depth:  # (a baseline holds its blocks: no hypernetwork)
+        hooks.append(theirs.model.hyper.register_forward_hook(lambda m, args, out: made.append(1)))
     with torch.no_grad():
-        greedy = theirs.generate(idx, max_new_tokens=3, do_sample=False)
-        assert torch.equal(theirs.generate(idx, max_new_tokens=3, do_sample=False, cache_implementation="dynamic"), greedy)
-        calls = []
-        theirs.model.register_forward_pre_hook(lambda m, args: calls.append(1))
-        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
-            theirs.generate(idx, max_new_tokens=3, cache_implementation=implementation)
-        theirs.generation_config.cache_implementation = implementation
-        with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+        dynamic = theirs.generate(ids, **greedy)
+        fed.clear(), made.clear()
+        out = theirs.generate(ids, **greedy, cache_implementation="static", return_dict_in_generate=True)
+        assert torch.equal(out.sequences, dynamic) and fed == [9] + [1] * (n - 1)
+        assert type(out.cache).__name__ == "DiffEqFormerStaticCache" and out.cache.get_max_length() == 9 + n - 1
+        assert len(out.cache.layers) == theirs.config.num_hidden_layers == (8 if depth else 3)
+        assert len(made) == (1 if depth else 0)
+        given = transformers.StaticCache(config=theirs.config, max_cache_len=9 + n)
+        assert torch.equal(theirs.generate(ids, **greedy, cache=given), dynamic)
+        assert int(given.get_seq_length()) == 9 + n - 1
+        for hook in hooks:
+            hook.remove()
+        theirs.forward = torch.compile(theirs.forward, fullgraph=True, backend="eager")
+        assert torch.equal(theirs.generate(ids, **greedy, cache_implementation="static"), dynamic)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert torch.equal(theirs.generate(ids, **greedy, cache_implementation="static"), dynamic)
+
+
+def test_what_a_static_cache_cannot_hold_is_refused_before_any_pass(exported):
+    """One line each, naming what to pass, before any pass: a StaticCache of another count of
+    layers (made for another depth); a static cache past a GPT-flavour model's context (past it
+    the model re-reads each token's window, without a cache), made by generate or given; the
+    offloaded and quantized caches, given or in the generation config (untried: the one offloads
+    to a GPU, the other's backends are not the project's dependencies)."""
+    theirs, gpt = auto(exported["diffeq"], steps=2, solver="rk4"), auto(exported["gpt"])
+    idx = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
+    L = TINY["block_size"]
+    calls = []
+    for model in (theirs, gpt):
+        model.model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    layers = ("past_key_values is a StaticCache of 3 layers; DiffEqFormer keeps a layer for each evaluation of F: "
+              "pass a DynamicCache, a StaticCache(config=model.config, max_cache_len=...), or none (generate makes its own)")
+    slots = (f"a StaticCache of {L + 1} slots: a GPT-flavour model keeps a KV cache for its first block_size={L} tokens "
+             f"only (past them it re-reads each token's window): give it at most {L} (max_cache_len), or a DynamicCache")
+    made = (f"cache_implementation='static' preallocates a KV cache, which a GPT-flavour model keeps for its first "
+            f"block_size={L} tokens only (past them it re-reads each token's window): ask for at most {L} tokens in "
+            f"all (max_length), or generate without it")
+    untried = ("cache_implementation='{0}': DiffEqFormer decodes through a cache with a layer for each "
+               "evaluation of F, dynamic or static; transformers' {0} cache is untried with it: generate with one of those")
+    shallow = auto(exported["diffeq"]).config  # 3 Euler steps: 3 layers, where RK4's 2 steps need 8
+    with torch.no_grad():
+        for refused, run in [
+                (layers, lambda: theirs(idx, past_key_values=transformers.StaticCache(config=shallow, max_cache_len=16))),
+                (layers, lambda: theirs.generate(idx, max_new_tokens=2,
+                                                 past_key_values=transformers.StaticCache(config=shallow, max_cache_len=16))),
+                (slots, lambda: gpt(idx, past_key_values=transformers.StaticCache(config=gpt.config, max_cache_len=L + 1))),
+                (made, lambda: gpt.generate(idx, max_new_tokens=L - 4, cache_implementation="static")),
+                *[(untried.format(kind), lambda kind=kind: theirs.generate(idx, max_new_tokens=3, cache_implementation=kind))
+                  for kind in ("offloaded", "quantized")]]:
+            with pytest.raises(ValueError, match=f"^{re.escape(refused)}$"):
+                run()
+        theirs.generation_config.cache_implementation = "quantized"
+        with pytest.raises(ValueError, match=f"^{re.escape(untried.format('quantized'))}$"):
             theirs.generate(idx, max_new_tokens=3)
     assert not calls
+    assert gpt.generate(idx, max_new_tokens=L - 5, do_sample=False, cache_implementation="static").size(1) == L
 
 
 @pytest.mark.parametrize("kind", ["diffeq", "llama"])
@@ -1274,12 +1314,13 @@ def test_the_logit_lens_refuses_an_answer_of_other_than_one_token_or_too_many_wi
 
 
 
-@pytest.mark.parametrize("case", ["empty-prompt", "prompt-file", "run-folder", "no-tokenizer"])
+@pytest.mark.parametrize("case", ["empty-prompt", "prompt-file", "big-file", "run-folder", "no-tokenizer"])
 def test_the_logit_lens_refuses_an_empty_prompt_and_a_folder_that_is_no_export_in_one_line(
         case, exported, tmp_path, monkeypatch):
     """An empty prompt, a run's folder and an export without its tokenizer.json are refused in one
     line before any model is loaded or anything written; FILE:path is the file's text (its 40
-    tokens are too many for a block of 32)."""
+    tokens are too many for a block of 32), and one past 1 MiB gets advice that keeps a prompt
+    the model reads (its last block_size bytes: at most as many tokens)."""
     from experiments import logit_lens
     loaded = mock.Mock(side_effect=RuntimeError("a model was loaded"))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
@@ -1290,6 +1331,12 @@ def test_the_logit_lens_refuses_an_empty_prompt_and_a_folder_that_is_no_export_i
         (tmp_path / "prompt.txt").write_text("x" * 40)
         prompt, refused = f"--prompt=FILE:{tmp_path / 'prompt.txt'}", \
             "--prompt is 40 tokens: the model reads at most 32"
+    elif case == "big-file":
+        big = tmp_path / "big.txt"
+        big.write_text("x" * (2 << 20))
+        prompt, refused = f"--prompt=FILE:{big}", (
+            f"prompt file {big} holds more than 1,048,576 bytes (1 MiB), more than a prompt can use: keep its "
+            f"end (tail -c {TINY['block_size']} {big} > prompt.txt)")
     elif case == "run-folder":
         folder = tmp_path / "out"
         folder.mkdir()

@@ -13,6 +13,8 @@ weights are model.safetensors as the project writes them. As transformers' GPT-2
   a token's position counts the real tokens before it (position_ids, where given, must agree);
 * generate() keeps a KV cache, DiffEqFormerCache, with a layer for each evaluation of F (an ODE
   attends once per solver stage of every step): one position per new token;
+  cache_implementation="static" a DiffEqFormerStaticCache, whose shapes stay the same from token
+  to token (transformers' recipe: torch.compile(model.forward, mode="reduce-overhead"));
 * past block_size a Llama-flavour token attends to the last block_size real tokens (a sliding
   window), and a GPT-flavour token gets the logits of its last block_size tokens read afresh at
   positions 0..block_size-1 (its learned positions end there): sample.py's decoding, token for
@@ -35,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel, StaticCache
 from transformers.generation.utils import GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
@@ -58,6 +60,17 @@ class DiffEqFormerCache(DynamicCache):
 
     def __init__(self):
         super().__init__()
+        self.weights = None
+
+
+class DiffEqFormerStaticCache(StaticCache):
+    """transformers' StaticCache with a layer for each evaluation of F (config.num_hidden_layers),
+    max_cache_len slots each, made before the first pass, and the block weights kept as
+    DiffEqFormerCache keeps them: sample.py's static KV caches, for generate(cache_implementation=
+    "static"), whose one-token pass has the same shapes at every token (torch.compile)."""
+
+    def __init__(self, config, max_cache_len):
+        super().__init__(config=config, max_cache_len=max_cache_len)
         self.weights = None
 
 
@@ -203,27 +216,40 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         return False  # transformers' generate() makes no DynamicCache: ours, below
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, mode, *args):
-        """generate()'s cache, a DiffEqFormerCache, there before the first pass: prompt lookup
-        and assisted decoding crop it after each guess. A GPT-flavour model re-reads every token's
-        window past block_size, without a cache: those two are refused there. transformers' other
-        caches ("static", "offloaded", "quantized") have a layer per hidden layer: refused."""
-        kind = generation_config.cache_implementation
-        if kind not in (None, "dynamic"):
-            raise ValueError(f"cache_implementation={kind!r}: DiffEqFormer decodes through a "
-                             f"DiffEqFormerCache, a layer for each evaluation of F, which "
-                             f"transformers' {kind} cache does not have; generate without it (the "
-                             f"dynamic cache), or decode with sample.py's static KV caches "
-                             f"(python sample.py --compile)")
-        L = self.model.cfg.block_size
-        if (mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant) \
-                and self.model.cfg.flavor == "gpt" and generation_config.max_length > L:
-            raise ValueError(f"prompt lookup and assisted decoding crop a KV cache, which a "
-                             f"GPT-flavour model keeps for its first block_size={L} tokens only "
-                             f"(past them it re-reads each token's window): ask for at most {L} "
-                             f"tokens in all (max_length), or generate without them")
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, mode, *args)
-        if model_kwargs.get("cache") is None and generation_config.use_cache:
+        """generate()'s cache, there before the first pass: a DiffEqFormerCache (the default), or a
+        DiffEqFormerStaticCache of max_length slots (cache_implementation="static"; transformers'
+        offloaded and quantized caches are untried: refused). Prompt lookup and assisted
+        decoding crop it after each guess. A GPT-flavour model re-reads every token's window past
+        block_size, without a cache: a static cache and those two are refused there."""
+        kind, L = generation_config.cache_implementation, self.model.cfg.block_size
+        if kind not in (None, "dynamic", "static"):  # (offloaded: a GPU's; quantized: quanto's)
+            raise ValueError(f"cache_implementation={kind!r}: DiffEqFormer decodes through a cache "
+                             f"with a layer for each evaluation of F, dynamic or static; "
+                             f"transformers' {kind} cache is untried with it: generate with one of "
+                             f"those")
+        cropped = mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+        if (cropped or kind == "static") and self.model.cfg.flavor == "gpt" \
+                and generation_config.max_length > L:
+            what = "prompt lookup and assisted decoding crop" if cropped else \
+                "cache_implementation='static' preallocates"
+            raise ValueError(f"{what} a KV cache, which a GPT-flavour model keeps for its first "
+                             f"block_size={L} tokens only (past them it re-reads each token's "
+                             f"window): ask for at most {L} tokens in all (max_length), or generate "
+                             f"without {'them' if cropped else 'it'}")
+        if model_kwargs.get("cache") is not None or not generation_config.use_cache:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, mode, *args)
+        if kind == "static":  # (args: the batch size, the tokens in all less one)
+            slots = max(args[1], generation_config.max_cache_len or 0)
+            model_kwargs["cache"] = DiffEqFormerStaticCache(self.config, slots)
+        else:
             model_kwargs["cache"] = DiffEqFormerCache()
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
+        """generate()'s attention_mask for a static cache (transformers makes a 4D mask there):
+        the 2D one, its columns padded to the cache's max_cache_len slots, a shape that stays the
+        same at every token (torch.compile compiles the one-token pass once)."""
+        return attention_mask if attention_mask is None else \
+            F.pad(attention_mask, (0, cache.get_max_length() - attention_mask.size(1)))
 
     @can_return_tuple  # return_dict=False: a tuple (loss, logits, cache; those given), as theirs
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -247,32 +273,46 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if not isinstance(logits_to_keep, int) or (labels is not None and logits_to_keep):
             raise ValueError(f"logits_to_keep={logits_to_keep!r}: the last k positions (an int), "
                              f"0 (every position) with labels")
-        if cache is not None and not isinstance(cache, DynamicCache):  # StaticCache: its shapes
-            raise ValueError(f"past_key_values is a {type(cache).__name__}, whose layers have a "
-                             f"layer's shapes; DiffEqFormer keeps a layer for each evaluation of F: "
-                             f"pass a DynamicCache, or none (generate makes its own)")
         cfg, (B, T) = self.model.cfg, input_ids.shape
-        past = 0 if cache is None else cache.get_seq_length()
-        real = torch.ones(B, past + T, dtype=torch.bool, device=input_ids.device) \
+        static = isinstance(cache, StaticCache)  # its keys: max_cache_len slots, the mask's columns
+        if cache is not None and not isinstance(cache, DynamicCache) and not static or static and (
+                len(cache.layers) != self.config.num_hidden_layers or cache.is_sliding[0]):
+            raise ValueError(f"past_key_values is a {type(cache).__name__} of {len(cache.layers)} "
+                             f"layers; DiffEqFormer keeps a layer for each evaluation of F: pass a "
+                             f"DynamicCache, a StaticCache(config=model.config, max_cache_len=...), "
+                             f"or none (generate makes its own)")
+        past = 0 if cache is None else cache.get_seq_length()  # (static: a tensor, as it stays)
+        S = cache.get_max_length() if static else past + T  # the columns: cached and new tokens
+        real = torch.ones(B, S, dtype=torch.bool, device=input_ids.device) \
             if attention_mask is None else attention_mask.bool()
-        if real.shape != (B, past + T):
+        if static and real.size(1) < S:  # (a 2D mask of the tokens so far: its empty slots after)
+            real = F.pad(real, (0, S - real.size(1)))
+        if real.shape != (B, S):
             raise ValueError(f"attention_mask is {tuple(real.shape)}: {past} cached and {T} new "
-                             f"tokens need ({B}, {past + T})")
+                             f"tokens need ({B}, {S})")
         count = real.cumsum(-1)  # (B, S): a row's real tokens up to each token, itself included
+        new = past + torch.arange(T, device=input_ids.device)  # (T,): the new tokens' columns
         position_ids = kwargs.get("position_ids")  # (not in the signature: generate makes none)
-        if position_ids is not None and not (position_ids.shape in ((1, T), (B, T)) and bool(
-                (position_ids == count[:, past:] - 1)[real[:, past:]].all())):  # (at real tokens)
+        if position_ids is not None and not compiling() and not (position_ids.shape in (
+                (1, T), (B, T)) and bool((position_ids == count[:, new] - 1)[real[:, new]].all())):
             raise ValueError("position_ids disagree with attention_mask: DiffEqFormer counts a "
                              "token's position as the real tokens before it (no packed "
                              "sequences); pass none, or those")
-        # past block_size real tokens? (within past + T, shapes alone say no: torch.compile traces)
-        beyond = past + T > cfg.block_size and bool(count[:, -1].max() > cfg.block_size)
-        if cfg.flavor == "gpt" and beyond:  # its window moves
+        # a GPT-flavour input past block_size real tokens? (within S, shapes alone say no:
+        # torch.compile traces; a static cache of more slots is refused)
+        beyond = cfg.flavor == "gpt" and S > cfg.block_size and (
+            static or bool(count[:, -1].max() > cfg.block_size))
+        if beyond:  # its window moves
             if trajectory[1]:
                 raise ValueError(f"output_attentions=True past block_size={cfg.block_size}: a "
                                  f"GPT-flavour model reads each token there in a window of its "
                                  f"own, at positions 0..{cfg.block_size - 1}, so no one attention "
                                  f"map covers the input; give at most {cfg.block_size} tokens")
+            if static:
+                raise ValueError(f"a StaticCache of {S} slots: a GPT-flavour model keeps a KV cache "
+                                 f"for its first block_size={cfg.block_size} tokens only (past "
+                                 f"them it re-reads each token's window): give it at most "
+                                 f"{cfg.block_size} (max_cache_len), or a DynamicCache")
             if past:
                 raise ValueError(f"past block_size={cfg.block_size} a GPT-flavour model re-reads "
                                  f"each token's window: call it without a cache")
@@ -286,11 +326,11 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                             device=input_ids.device)  # the columns whose logits come back
         if cache is None:
             out = self.recomputed(input_ids, real, count, weights, kept, trajectory,
-                                  attention_mask is None and not (cfg.flavor == "gpt" and beyond))
+                                  attention_mask is None and not beyond)
         else:  # a pad takes the logits (and states) of the last real token before it
             out = self.cached(input_ids, real, count, cache, weights, trajectory)  # (right-padded
             col = torch.arange(T, device=input_ids.device)  # prompts generate as alone)
-            last_real = torch.where(real[:, past:], col, -1).cummax(dim=1).values  # (B, T)
+            last_real = torch.where(real[:, new], col, -1).cummax(dim=1).values  # (B, T)
             out = out.take(torch.where(last_real >= 0, last_real, col), kept)
         logits = out.logits
         real_vocab = logits[..., :self.model.cfg.tokenizer_vocab or None]  # (the rest: -inf)
@@ -308,13 +348,14 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                                       attentions=out.attentions and tuple(out.attentions))
 
     def step_weights(self, cache, steps, solver):
-        """A diffeq model's block weights of every evaluation of F: a DiffEqFormerCache's, made once
+        """A diffeq model's block weights of every evaluation of F: a DiffEqFormer cache's, made once
         per generation (without gradients), else made for this pass. None for the kinds that hold
         their blocks as modules: model.py calls their linears, so that what wraps or replaces one
         (peft's LoRA, quantize_dynamic's Linear, a forward hook) takes part."""
         if self.model.cfg.model_type != "diffeq":
             return None
-        if not isinstance(cache, DiffEqFormerCache) or torch.is_grad_enabled():
+        if not isinstance(cache, (DiffEqFormerCache, DiffEqFormerStaticCache)) \
+                or torch.is_grad_enabled():
             return self.model.step_weights(steps, solver)
         if cache.weights is None:
             cache.weights = self.model.step_weights(steps, solver)
@@ -342,17 +383,18 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         caches = [Evaluation(cache, j) for j in range(self.config.num_hidden_layers)]  # one each
         past, passes = cache.get_seq_length(), []
         for start in range(0, T, L):
-            end = past + min(start + L, T)
-            q = torch.arange(past + start, end, device=device)  # (t,): the new tokens
-            k = torch.arange(end, device=device)  # (S,): every key, cached and new
-            seen = real[:, None, :end] & (k <= q[:, None]) \
-                & (count[:, q, None] - count[:, None, :end] < L)  # (B, t, S)
+            q = past + torch.arange(start, min(start + L, T), device=device)  # (t,): the new tokens
+            # (S,): every key the cache gives, cached and new; a static cache's, all its slots
+            S = real.size(1) if isinstance(cache, StaticCache) else past + min(start + L, T)
+            k = torch.arange(S, device=device)
+            seen = real[:, None, :S] & (k <= q[:, None]) \
+                & (count[:, q, None] - count[:, None, :S] < L)  # (B, t, S)
             seen |= k == q[:, None]  # a pad before every real token sees itself: an attention
             # kernel may give NaN for a row that sees nothing, and 0 x NaN reaches the real tokens
             pos = (count[:, q] - 1).clamp(min=0)  # (B, t): real tokens before each
             context = Context(pos, seen[:, None], caches, q)  # seen[:, None]: every head's mask
             passes.append(self.run(input_ids[:, start:start + L], weights, context, trajectory))
-        return joined(passes, past + T)
+        return joined(passes, real.size(1))
 
     def recomputed(self, input_ids, real, count, weights, kept, trajectory, plain=False):
         """Logits of the columns `kept` of input_ids, without a cache: each row's real tokens moved
