@@ -77,7 +77,7 @@ def main(argv):
     answer = tokenizer(cfg.answer)["input_ids"]
     if len(answer) != 1:
         raise UserError(f"--answer={cfg.answer!r} is {len(answer)} tokens: give one")
-    text = prepare.read_prompt(cfg.prompt)  # FILE:path: the file's text
+    text = prepare.read_prompt(cfg.prompt, usable=L)  # FILE:path: the file's text
     prompt = torch.tensor([tokenizer(text, verbose=False)["input_ids"]])
     if not prompt.numel():
         raise UserError("the prompt is empty: give --prompt some text, or FILE:path")

@@ -165,7 +165,7 @@ def from_transformers(path, config):
 
 def file_name(path):
     """A local path's last name, a Hub id as it is: no user's folders in a card that is pushed."""
-    return os.path.basename(os.path.normpath(path)) if os.path.isabs(path) or os.path.exists(path) \
+    return os.path.basename(os.path.abspath(path)) if os.path.isabs(path) or os.path.exists(path) \
         else path
 
 

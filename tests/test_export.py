@@ -119,6 +119,7 @@ def test_a_card_names_a_checkpoint_by_its_file_alone_and_a_hub_id_as_it_is(tmp_p
     (tmp_path / "out").mkdir()
     assert hf.file_name("/home/someone/runs/ckpt.pt") == "ckpt.pt"  # no longer there
     assert hf.file_name(str(tmp_path / "out") + "/") == "out"
+    assert hf.file_name(".") == os.path.basename(os.getcwd())  # (exported from inside the folder)
     assert hf.file_name("someone/diffeqformer-small") == "someone/diffeqformer-small"
 
 
