@@ -335,7 +335,7 @@ def prepare(dataset, tokenizer="gpt2", input_file="", val_file="", data_root="da
     meta_path = os.path.join(data_dir, "meta.json")
     if prepared(data_dir, source, tokenizer):
         return data_dir
-    make_dir(data_root, "data_root", own=True)  # a file in the way, or read-only: one line
+    make_dir(data_root, "data_root", own="data")  # a file in the way, or read-only: one line
     with preparing(data_root, data_dir):  # two runs at once: the second reuses the first's
         if prepared(data_dir, source, tokenizer):
             return data_dir

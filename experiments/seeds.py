@@ -140,7 +140,7 @@ def main(argv):
     os.chdir(ROOT)  # --runs and --data_root are the repository's, as the jobs (run there) see them
     seeds, draws = cfg.seed_range(), [int(d) for d in cfg.draws.split(",")]
     make_dir(cfg.runs, "runs")  # read-only, or a file in the way: one line, before any work
-    make_dir(os.path.dirname(cfg.out), "out", own=True)  # results/
+    make_dir(os.path.dirname(cfg.out), "out", own="results")  # results/
     held = read_record(cfg.out)
     jobs = []
     for seed in seeds:

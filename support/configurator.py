@@ -94,11 +94,19 @@ def named(key, value):
     return f"{SET_IN[key]}: {key} = {value!r}" if key in SET_IN else f"--{key}={value}"
 
 
-def make_dir(path, flag, own=False):
+def ignored(given, chosen, saved):
+    """The settings given (as named()) whose values a resumed run's saved config replaces: chosen
+    and saved are dataclasses, the user's and the run's."""
+    keys = {field.name for field in dataclasses.fields(saved)}
+    return [named(k, getattr(chosen, k)) for k in sorted(given)
+            if k in keys and getattr(chosen, k) != getattr(saved, k)]
+
+
+def make_dir(path, flag, own=None):
     """os.makedirs(path) for a folder a flag names, or one UserError when it cannot be written or
-    holds the project's own files (check_own_folder; `own`: prepare.py's data/, seeds' record)."""
-    if not own:
-        check_own_folder(path, flag)
+    holds the project's own files (check_own_folder; `own`: the one of OWN_FOLDERS the caller
+    writes, prepare.py's data, seeds' results)."""
+    check_own_folder(path, flag, own)
     if os.path.islink(path) and not os.path.exists(path):  # makedirs: "File exists"
         raise UserError(f"{named(flag, path)} is a link to {os.readlink(path)}, which does not "
                         f"exist: create that folder, or choose another --{flag}")
@@ -138,11 +146,11 @@ OWN_FOLDERS = (".ci", ".git", "assets", "config", "data", "docs", "experiments",
                "support", "tests")
 
 
-def check_own_folder(path, flag):
+def check_own_folder(path, flag, own=None):
     """Refuse a folder --{flag} names that holds the project's own files: the repository's root or
-    one of OWN_FOLDERS (data/: the shipped corpora and the prepared data), by any path."""
+    one of OWN_FOLDERS (data/: the shipped corpora and the prepared data) but `own`, by any path."""
     real, root = os.path.realpath(path), os.path.realpath(ROOT)
-    inside = [name for name in OWN_FOLDERS if (real + os.sep).startswith(
+    inside = [name for name in OWN_FOLDERS if name != own and (real + os.sep).startswith(
         os.path.join(root, name, ""))]  # the folder itself, or one within it
     if real == root or inside:
         what = f"in the repository's {inside[0]}/" if inside else "the repository's root"

@@ -10,7 +10,7 @@ import json
 import os
 
 from support import checkpoints, common, launch, resume
-from support.configurator import ConfigError, UserError, check_out_dir
+from support.configurator import ConfigError, UserError, check_out_dir, ignored
 import lora
 from model import ModelConfig
 
@@ -90,11 +90,9 @@ def resumed_config(fcfg, run, given, env):
     """The FinetuneConfig of the run that --init_from=resume continues (its depth, LoRA or full,
     rank...), saying which of the flags given it ignores, as train.py says of a model's shape."""
     saved = type(fcfg)(**run["finetune_config"])
-    ignored = [f"--{k}={getattr(fcfg, k)}" for k in sorted(given)
-               if k in run["finetune_config"] and getattr(fcfg, k) != getattr(saved, k)]
-    if ignored:
+    if dropped := ignored(given, fcfg, saved):
         env.print(f"the run's depth and LoRA settings come from its checkpoint; ignoring "
-                  f"{', '.join(ignored)}")
+                  f"{', '.join(dropped)}")
     return saved
 
 

@@ -12,7 +12,7 @@ import importlib.util
 import os
 
 from support import checkpoints, common, memory, resume
-from support.configurator import ConfigError, UserError, as_user_error, check_out_dir, int_range
+from support.configurator import ConfigError, UserError, as_user_error, check_out_dir, ignored, int_range
 import prepare
 from model import ModelConfig
 from support.model_extras import MAX_STEPS
@@ -130,10 +130,8 @@ def model_config_for(mcfg, cfg, env, given, data, start=None):
         raise UserError(f"the checkpoint was trained on {ckpt.get('tokenizer')} tokens (vocabulary "
                         f"{saved.vocab_size}); the data is {cfg.tokenizer} tokens: use "
                         f"--tokenizer={ckpt.get('tokenizer')}")
-    ignored = [f"--{k}" for k in sorted(given)
-               if k in saved.to_dict() and getattr(mcfg, k) != getattr(saved, k)]
-    if ignored:
-        env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join(ignored)}")
+    if dropped := ignored(given, mcfg, saved):
+        env.print(f"the model's shape comes from the checkpoint; ignoring {', '.join(dropped)}")
     return saved, ckpt
 
 

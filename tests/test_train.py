@@ -285,7 +285,7 @@ def test_resume_continues_exactly(tmp_path, shakespeare, capsys, monkeypatch):
     capsys.readouterr()
     # the checkpoint's dropout and shape, not the default config file's; --ffn_dim is ignored, and said
     resumed = losses(run(tmp_path, *shared, "--init_from=resume", "--ffn_dim=64", out="b"))
-    assert "the model's shape comes from the checkpoint; ignoring --ffn_dim\n" in capsys.readouterr().out
+    assert "the model's shape comes from the checkpoint; ignoring --ffn_dim=64\n" in capsys.readouterr().out
     assert sorted(resumed) == list(range(10))
     for it in range(5, 10):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
