@@ -392,7 +392,8 @@ def test_a_static_cache_gives_the_dynamic_caches_tokens_and_compiles_once(kind, 
 
 def test_what_a_static_cache_cannot_hold_is_refused_before_any_pass(exported):
     """One line each, naming what to pass, before any pass: a StaticCache of another count of
-    layers (made for another depth); a static cache past a GPT-flavour model's context (past it
+    layers (made for another depth), or of fewer slots than the tokens (generate's mask cut to
+    them); a static cache past a GPT-flavour model's context (past it
     the model re-reads each token's window, without a cache), made by generate or given; the
     offloaded and quantized caches, given or in the generation config (untried: the one offloads
     to a GPU, the other's backends are not the project's dependencies)."""
@@ -411,12 +412,16 @@ def test_what_a_static_cache_cannot_hold_is_refused_before_any_pass(exported):
             f"all (max_length), or generate without it")
     untried = ("cache_implementation='{0}': DiffEqFormer decodes through a cache with a layer for each "
                "evaluation of F, dynamic or static; transformers' {0} cache is untried with it: generate with one of those")
+    full = "a StaticCache of 4 slots holds 0 tokens: 5 more need 5; make it with max_cache_len=5 at least"
     shallow = auto(exported["diffeq"]).config  # 3 Euler steps: 3 layers, where RK4's 2 steps need 8
     with torch.no_grad():
         for refused, run in [
                 (layers, lambda: theirs(idx, past_key_values=transformers.StaticCache(config=shallow, max_cache_len=16))),
                 (layers, lambda: theirs.generate(idx, max_new_tokens=2,
                                                  past_key_values=transformers.StaticCache(config=shallow, max_cache_len=16))),
+                (full, lambda: theirs(idx, past_key_values=transformers.StaticCache(config=theirs.config, max_cache_len=4))),
+                (full, lambda: theirs.generate(idx, max_new_tokens=3,
+                                               past_key_values=transformers.StaticCache(config=theirs.config, max_cache_len=4))),
                 (slots, lambda: gpt(idx, past_key_values=transformers.StaticCache(config=gpt.config, max_cache_len=L + 1))),
                 (made, lambda: gpt.generate(idx, max_new_tokens=L - 4, cache_implementation="static")),
                 *[(untried.format(kind), lambda kind=kind: theirs.generate(idx, max_new_tokens=3, cache_implementation=kind))

@@ -283,6 +283,9 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
                              f"or none (generate makes its own)")
         past = 0 if cache is None else cache.get_seq_length()  # (static: a tensor, as it stays)
         S = cache.get_max_length() if static else past + T  # the columns: cached and new tokens
+        if static and not compiling() and past + T > S:
+            raise ValueError(f"a StaticCache of {S} slots holds {int(past)} tokens: {T} more need "
+                             f"{int(past) + T}; make it with max_cache_len={int(past) + T} at least")
         real = torch.ones(B, S, dtype=torch.bool, device=input_ids.device) \
             if attention_mask is None else attention_mask.bool()
         if static and real.size(1) < S:  # (a 2D mask of the tokens so far: its empty slots after)
