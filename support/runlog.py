@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support import common, parallel, plots, resume
+from support import common, parallel, resume
 import prepare
 from support.configurator import RUN_FILES, Diverged, Interrupted, UserError
 from model import block_shapes, evaluations
@@ -99,6 +99,7 @@ class Run:
         resume.save_run(model, optimizer, state, self.cfg, self.env, self.extra)
         self.saved = it
         if self.env.master:  # after the checkpoint: a full disk here loses no training
+            from support import plots  # (here: matplotlib takes a second of each start)
             try:
                 plots.loss_curve(self.log.path, os.path.join(self.cfg.out_dir, "loss.png"))
             except UserError as e:

@@ -267,11 +267,11 @@ def test_a_full_disk_while_the_loss_curve_is_drawn_says_the_checkpoint_resumes(t
                                                                                shakespeare):
     """loss.png is drawn after the checkpoint: a full disk there offered only "write elsewhere", though
     the run's checkpoint, saved, resumes."""
-    from support import configurator, runlog
+    from support import configurator, plots
 
     def full(log, path):
         raise configurator.write_error(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-    monkeypatch.setattr(runlog.plots, "loss_curve", full)
+    monkeypatch.setattr(plots, "loss_curve", full)
     out = tmp_path / "out"
     args = tiny_and(f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}", f"--out_dir={out}",
                     "--max_iters=4", "--eval_interval=2")

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from support import common, runlog
+from support import common, plots, runlog
 import train
 from support.configurator import Diverged, Interrupted
 from model import DiffEqFormer, ModelConfig
@@ -51,7 +51,7 @@ def books(monkeypatch):
     monkeypatch.setattr(train, "evaluate", evaluate)
     monkeypatch.setattr(train, "train_step", train_step)
     monkeypatch.setattr(runlog.resume, "save_run", save_run)
-    monkeypatch.setattr(runlog.plots, "loss_curve", lambda *args: seen.update(curve=args))
+    monkeypatch.setattr(plots, "loss_curve", lambda *args: seen.update(curve=args))
     real_iterations = runlog.Run.iterations
 
     def iterations(run):
