@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -580,27 +581,30 @@ def test_a_link_to_the_projects_own_files_is_refused_as_out_dir(tmp_path, capsys
 def test_a_folder_a_script_writes_into_is_never_the_projects_own_but_for_its_data_and_records(tmp_path, capsys, monkeypatch):
     """configurator.make_dir, through which every script makes the folder it writes into, refuses the
     project's own folders and creates nothing there; prepare.py's data/ and experiments.seeds' record
-    in results/ are asked for (own="data", own="results"), and only those: prepare.py's
-    --data_root=config, the seeds' --out=docs/x.json are refused."""
-    from support.configurator import make_dir
-    for folder in ("data", "results"):
-        path = os.path.join(ROOT, folder, "made-by-a-script")
-        with pytest.raises(UserError, match=f"^--out={re.escape(path)} is in the repository's {folder}/, "):
-            make_dir(path, "out")
-        assert not os.path.exists(path)
-        mine = "results" if folder == "data" else "data"  # the caller's own folder is another one
-        with pytest.raises(UserError, match=f"^--out={re.escape(path)} is in the repository's {folder}/, "):
-            make_dir(path, "out", own=mine)
-        assert not os.path.exists(path)
-        assert make_dir(os.path.join(ROOT, folder), "out", own=folder) == os.path.join(ROOT, folder)
-    with pytest.raises(UserError, match="^--out=.* is the repository's root, "):
-        make_dir(ROOT, "out", own="results")
+    in results/ are asked for (own="data", own="results"), and only those: prepare.py's --data_root
+    in config/ is refused before anything is written."""
     import prepare
+    from support.configurator import make_dir
     from test_faults import one_line
-    line = one_line(prepare.main, [f"--data_root={os.path.join(ROOT, 'config')}"], capsys, monkeypatch)
-    assert line.startswith(f"error: --data_root={os.path.join(ROOT, 'config')} is in the repository's config/, "), line
-    assert sorted(os.listdir(os.path.join(ROOT, "config"))) == sorted(subprocess.run(
-        ["git", "ls-files", "config"], cwd=ROOT, capture_output=True, text=True).stdout.replace("config/", "").split())
+    made = [os.path.join(ROOT, folder, f"made-by-a-test-{os.getpid()}") for folder in ("data", "results", "config")]
+    try:  # (what a broken rule would make is removed after: the next test sees the clone as it was)
+        for folder, path in zip(("data", "results"), made):
+            with pytest.raises(UserError, match=f"^--out={re.escape(path)} is in the repository's {folder}/, "):
+                make_dir(path, "out")
+            assert not os.path.exists(path)
+            mine = "results" if folder == "data" else "data"  # the caller's own folder is another one
+            with pytest.raises(UserError, match=f"^--out={re.escape(path)} is in the repository's {folder}/, "):
+                make_dir(path, "out", own=mine)
+            assert not os.path.exists(path)
+            assert make_dir(os.path.join(ROOT, folder), "out", own=folder) == os.path.join(ROOT, folder)
+        with pytest.raises(UserError, match="^--out=.* is the repository's root, "):
+            make_dir(ROOT, "out", own="results")
+        line = one_line(prepare.main, [f"--data_root={made[2]}"], capsys, monkeypatch)
+        assert line.startswith(f"error: --data_root={made[2]} is in the repository's config/, "), line
+        assert not os.path.exists(made[2])
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
     assert make_dir(str(tmp_path / "new"), "out") and (tmp_path / "new").is_dir()
 
 
