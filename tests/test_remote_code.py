@@ -3,6 +3,7 @@ model kind, AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) gi
 logits and sample.py's greedy tokens, past the context too; `steps` and `solver` at load time run an
 ODE deeper; AutoTokenizer and pipeline("text-generation") read the folder; `lm_eval --model hf`
 scores the local tasks as this project's harness does. Skipped without transformers."""
+import copy
 import glob
 import importlib.util
 import json
@@ -382,6 +383,19 @@ def test_a_static_cache_gives_the_dynamic_caches_tokens_and_compiles_once(kind, 
         given = transformers.StaticCache(config=theirs.config, max_cache_len=9 + n)
         assert torch.equal(theirs.generate(ids, **greedy, cache=given), dynamic)
         assert int(given.get_seq_length()) == 9 + n - 1
+        wide = 48 if kind == "llama" else TINY["block_size"]  # generation_config.max_cache_len: more slots
+        out = theirs.generate(ids, **greedy, cache_implementation="static", max_cache_len=wide, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, dynamic) and out.cache.get_max_length() == wide
+        # one pass through a StaticCache: position_ids as transformers makes them taken, the attention
+        # over its 12 slots (the 9 tokens' as through the dynamic cache, none to the empty slots)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        plain = theirs(ids, attention_mask=mask, output_attentions=True)
+        static = theirs(ids, attention_mask=mask, position_ids=positions, output_attentions=True,
+                        cache=transformers.StaticCache(config=theirs.config, max_cache_len=12))
+        torch.testing.assert_close(static.logits, plain.logits)
+        for a, b in zip(static.attentions, plain.attentions, strict=True):
+            assert a.shape[-1] == 12 and not a[..., 9:].any()
+            torch.testing.assert_close(a[..., :9], b)
         for hook in hooks:
             hook.remove()
         theirs.forward = torch.compile(theirs.forward, fullgraph=True, backend="eager")
@@ -392,7 +406,7 @@ def test_a_static_cache_gives_the_dynamic_caches_tokens_and_compiles_once(kind, 
 
 def test_what_a_static_cache_cannot_hold_is_refused_before_any_pass(exported):
     """One line each, naming what to pass, before any pass: a StaticCache of another count of
-    layers (made for another depth), or of fewer slots than the tokens (generate's mask cut to
+    layers (made for another depth) or sliding ones, or of fewer slots than the tokens (generate's mask cut to
     them); a static cache past a GPT-flavour model's context (past it
     the model re-reads each token's window, without a cache), made by generate or given; the
     offloaded and quantized caches, given or in the generation config (untried: the one offloads
@@ -414,11 +428,15 @@ def test_what_a_static_cache_cannot_hold_is_refused_before_any_pass(exported):
                "evaluation of F, dynamic or static; transformers' {0} cache is untried with it: generate with one of those")
     full = "a StaticCache of 4 slots holds 0 tokens: 5 more need 5; make it with max_cache_len=5 at least"
     shallow = auto(exported["diffeq"]).config  # 3 Euler steps: 3 layers, where RK4's 2 steps need 8
+    windowed = copy.deepcopy(theirs.config)
+    windowed.sliding_window = 4  # (transformers then makes sliding layers, of 4 keys each)
     with torch.no_grad():
         for refused, run in [
                 (layers, lambda: theirs(idx, past_key_values=transformers.StaticCache(config=shallow, max_cache_len=16))),
                 (layers, lambda: theirs.generate(idx, max_new_tokens=2,
                                                  past_key_values=transformers.StaticCache(config=shallow, max_cache_len=16))),
+                (layers.replace("3 layers", "8 sliding layers"), lambda: theirs(
+                    idx, past_key_values=transformers.StaticCache(config=windowed, max_cache_len=16))),
                 (full, lambda: theirs(idx, past_key_values=transformers.StaticCache(config=theirs.config, max_cache_len=4))),
                 (full, lambda: theirs.generate(idx, max_new_tokens=3,
                                                past_key_values=transformers.StaticCache(config=theirs.config, max_cache_len=4))),

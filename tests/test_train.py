@@ -289,6 +289,9 @@ def test_resume_continues_exactly(tmp_path, shakespeare, capsys, monkeypatch):
     assert sorted(resumed) == list(range(10))
     for it in range(5, 10):
         assert resumed[it] == pytest.approx(straight[it], abs=1e-6), it
+    # a change a resumed run honours (dropout) is not among what it ignores
+    run(tmp_path, *shared, "--init_from=resume", "--dropout=0.2", "--ffn_dim=64", out="b")  # (no iteration left)
+    assert "the model's shape comes from the checkpoint; ignoring --ffn_dim=64\n" in capsys.readouterr().out
 
 
 def test_a_run_from_a_checkpoint_takes_the_solver_given_and_the_first_positions_of_a_shorter_context(

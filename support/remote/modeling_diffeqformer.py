@@ -277,10 +277,11 @@ class DiffEqFormerForCausalLM(PreTrainedModel, GenerationMixin):
         static = isinstance(cache, StaticCache)  # its keys: max_cache_len slots, the mask's columns
         if cache is not None and not isinstance(cache, DynamicCache) and not static or static and (
                 len(cache.layers) != self.config.num_hidden_layers or cache.is_sliding[0]):
-            raise ValueError(f"past_key_values is a {type(cache).__name__} of {len(cache.layers)} "
-                             f"layers; DiffEqFormer keeps a layer for each evaluation of F: pass a "
-                             f"DynamicCache, a StaticCache(config=model.config, max_cache_len=...), "
-                             f"or none (generate makes its own)")
+            sliding = " sliding" * bool(static and cache.is_sliding[0])  # (a window of its own)
+            raise ValueError(f"past_key_values is a {type(cache).__name__} of {len(cache.layers)}"
+                             f"{sliding} layers; DiffEqFormer keeps a layer for each evaluation of F: "
+                             f"pass a DynamicCache, a StaticCache(config=model.config, "
+                             f"max_cache_len=...), or none (generate makes its own)")
         past = 0 if cache is None else cache.get_seq_length()  # (static: a tensor, as it stays)
         S = cache.get_max_length() if static else past + T  # the columns: cached and new tokens
         if static and not compiling() and past + T > S:
