@@ -25,6 +25,7 @@ def test_the_cpu_version_skips_the_cuda_tests_and_measures_a_tiny_benchmark(tmp_
     assert {c["name"].split("[")[0] for c in cases} == {n for n in dir(test_cuda) if n.startswith("test_")}
     assert all(c["outcome"] == "skipped" and "needs a CUDA GPU" in c["message"] for c in cases)
     assert f"tests/test_cuda.py, {report['tests']['seconds']:.0f} s: {len(cases)} skipped" in printed
+    assert "[gw0]" not in open(tmp_path / "cuda-tests.log").read()  # one process (-n 0): one GPU, one junit record
     rows = {f"{r['part']}: {r['model']}": r for r in report["rows"]}
     decode = "decode 8 tokens after 4, batch 1"
     assert set(rows) == {"train step, eager: GPT", "train step, eager: ODE"} | {

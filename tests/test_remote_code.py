@@ -1224,6 +1224,27 @@ def test_logits_to_keep_keeps_the_trajectory_of_every_column(asked, use_cache, e
     assert torch.equal(kept.logits, whole.logits[:, -3:])
     got, expected = ((out.hidden_states or ()) + (out.attentions or ()) for out in (kept, whole))
     assert len(got) == len(expected) > 0 and all(torch.equal(a, b) for a, b in zip(got, expected))
+    if not use_cache:  # no mask: the pass that shapes alone decide keeps k too
+        plain, every = (theirs(idx, use_cache=False, logits_to_keep=k) for k in (3, 0))
+        assert torch.equal(plain.logits, every.logits[:, -3:])
+
+
+def test_a_gpt_flavour_batch_is_past_its_context_where_a_row_is_not_where_its_pads_are(exported):
+    """A GPT-flavour batch longer than block_size only by its pads is inside the context (the cache
+    and output_attentions as for any prompt), and one whose first row alone runs past it is past it:
+    each row's logits are those of the row alone."""
+    theirs, L = auto(exported["gpt"]), TINY["block_size"]
+    g = torch.Generator().manual_seed(23)
+    with torch.no_grad():
+        for lengths in ((L, L - 2), (L + 4, 10)):  # (the padded length L + 4 both times)
+            rows = [torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+            ids, mask = padded(rows, "left")
+            inside = max(lengths) <= L
+            out = theirs(ids, attention_mask=mask, output_attentions=inside)
+            assert (out.cache is not None) == inside and (out.attentions is not None) == inside
+            for row, prompt in enumerate(rows):
+                alone = theirs(torch.tensor([prompt])).logits[0, -1]
+                torch.testing.assert_close(out.logits[row, -1], alone)
 
 
 def test_a_leading_pads_trajectory_is_its_own_alone_with_the_cache_or_without(exported):
