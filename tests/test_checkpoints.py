@@ -558,6 +558,11 @@ def test_a_config_files_out_dir_is_named_as_that_file_sets_it(tmp_path, capsys, 
     cfg = configurator.parse_config([str(config)], ModelConfig, train.TrainConfig)[1]
     with pytest.raises(UserError, match=rf"^{config}, line 1: out_dir = '{tmp_path / 'gone'}' is a link to "):
         configurator.make_dir(cfg.out_dir, "out_dir")
+    (tmp_path / "a-file").write_text("")  # and a folder it cannot write into
+    config.write_text(f'out_dir = "{tmp_path / "a-file"}"\n')
+    cfg = configurator.parse_config([str(config)], ModelConfig, train.TrainConfig)[1]
+    with pytest.raises(UserError, match=rf"^cannot write into {config}, line 1: out_dir = '{tmp_path / 'a-file'}': it "):
+        configurator.make_dir(cfg.out_dir, "out_dir")
 
 
 def test_a_link_to_the_projects_own_files_is_refused_as_out_dir(tmp_path, capsys, monkeypatch):

@@ -1,4 +1,5 @@
 """finetune.py: materialise + LoRA is exact at init, trains only adapters, merges, and runs end to end."""
+import dataclasses
 import json
 import os
 import shutil
@@ -493,3 +494,16 @@ def test_the_lora_flags_beside_no_lora_are_refused(tmp_path, capsys, monkeypatch
     assert line == f"error: --no-lora fine-tunes every weight, with no adapters: it would ignore {ignored}; " \
                    f"leave them out, or fine-tune with LoRA (--lora)"
     assert os.listdir(tmp_path) == []
+
+
+def test_a_resumed_fine_tuning_run_names_only_the_flags_it_ignores():
+    """finetuning.resumed_config: the run's settings, and a line naming each given flag whose value
+    differs from the run's; none where every flag given agrees (--init_from=resume always is given)."""
+    run_cfg = finetune.FinetuneConfig(steps=5, lora_rank=2)
+    run = {"finetune_config": dataclasses.asdict(run_cfg)}
+    printed = []
+    env = type("Env", (), {"print": staticmethod(printed.append)})
+    assert finetuning.resumed_config(run_cfg, run, {"lora_rank", "steps"}, env) == run_cfg and not printed
+    other = dataclasses.replace(run_cfg, lora_rank=4)
+    assert finetuning.resumed_config(other, run, {"lora_rank", "steps"}, env) == run_cfg
+    assert printed == ["the run's depth and LoRA settings come from its checkpoint; ignoring --lora_rank=4"]

@@ -1238,7 +1238,7 @@ def test_a_gpt_flavour_batch_is_past_its_context_where_a_row_is_not_where_its_pa
     with torch.no_grad():
         for lengths in ((L, L - 2), (L + 4, 10)):  # (the padded length L + 4 both times)
             rows = [torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
-            ids, mask = padded(rows, "left")
+            ids, mask = (F.pad(z, (L + 4 - max(lengths), 0)) for z in padded(rows, "left"))
             inside = max(lengths) <= L
             out = theirs(ids, attention_mask=mask, output_attentions=inside)
             assert (out.cache is not None) == inside and (out.attentions is not None) == inside
