@@ -11,8 +11,7 @@ Train DiffEqFormer or a baseline, on one CPU or GPU or under torchrun.
 nanoGPT's loop in nanoGPT's order (config, optimizer, schedule, the ODE's weights, evaluate,
 train_step, fit, main), with what only the ODE needs: its weights once per optimizer step
 (StepWeights, METHOD 8.1) and a depth drawn per iteration (METHOD 8.2). The plumbing is in support/,
-one call each: launch.py (what is checked and read before the first iteration), runlog.py (the bar,
-log, checkpoints, Ctrl-C, MFU), parallel.py and weightgen.py (DDP, FSDP2), resume.py, memory.py.
+one call each: launch.py (checks), runlog.py (the books), parallel.py, weightgen.py, resume.py, memory.py.
 """
 import math
 import os
@@ -254,6 +253,7 @@ def main(argv):
         start, best = resume.start_from(model, optimizer, ckpt, cfg, env)  # resumed, or weights
         with runlog.Run(model, cfg, env, launch.record(mcfg, cfg, data, ckpt), start, best) as run:
             fit(model, optimizer, data, cfg, env, run)
+        del model  # DDP's reducer holds the process group: freed before the group (a gloo hang)
 
 
 if __name__ == "__main__":

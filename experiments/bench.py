@@ -19,9 +19,9 @@ process's RSS before it built the model). The shape comes from the model keys (M
 `--config FILE`, a training config whose model keys and batch_size are taken (the rest ignored).
 """
 import dataclasses
+import multiprocessing
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +37,6 @@ from support.configurator import ConfigError, fields_of, parse_config, read_conf
 from model import DiffEqFormer, ModelConfig, stage_times
 from support.model_extras import time_dtype
 from model import evaluations as model_evaluations
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where the probes run
 
 MODELS = {"GPT": "baseline", "ODE": "diffeq", "shared": "shared", "materialised": "materialized"}
 ROWS = ("train", "inference", "decode", "memory")
@@ -58,7 +56,6 @@ class BenchConfig:
     prompt_tokens: int = 16  # prompt length before them
     device: str = "auto"
     dtype: str = "auto"  # bfloat16 autocast on CUDA, float32 on CPU
-    probe: str = ""  # internal: "row:model" measures that one memory peak in this process
 
     def __post_init__(self):
         for name in ("batch_size", "pairs", "decode_tokens", "prompt_tokens"):
@@ -362,10 +359,14 @@ def probe_fn(row, name, mcfg, cfg, env):
     return decode(model.eval(), prompt, cfg.decode_tokens, env)
 
 
-def probe(which, mcfg, cfg, env):
-    """Peak memory of one row of one model in this fresh process, above what it held before it built
-    the model. On a CPU the row runs on a tiny model first (library code paged in), and pages mapped
-    during the run (file-backed RSS) are left out of the RSS peak."""
+def probe(argv, which):
+    """Peak memory of one row ("row:model") of one model in this fresh process, above what it held
+    before it built the model. On a CPU the row runs on a tiny model first (library code paged in), and
+    pages mapped during the run (file-backed RSS) are left out of the RSS peak."""
+    mcfg, cfg, _ = parse_args(argv)
+    env = common.setup(cfg.device, cfg.dtype)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     row, name = which.split(":")
     tiny = ModelConfig(**{**mcfg.to_dict(), "n_embd": 2 * mcfg.n_head, "ffn_dim": 0, "vocab_size": 64, "block_size": 8, "d_t": 2})
     probe_fn(row, name, tiny, dataclasses.replace(cfg, batch_size=1, prompt_tokens=2, decode_tokens=2), env)()
@@ -380,19 +381,22 @@ def probe(which, mcfg, cfg, env):
 
 
 def measure_memory(argv, table):
-    """Run every probe in a subprocess of this script and attach the peaks to the table's rows."""
+    """Run every probe in a process of its own and attach the peaks to the table's rows. Each process is
+    forked by a server that imported the scripts (torch with them) once: a fresh Python spends seconds
+    on its imports."""
     eager = [a for a in argv if a.partition("=")[0] not in ("--compile", "--no-compile")] + ["--no-compile"]
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(["train", "sample"])
     peaks = {}
     for row, names in PROBES.items():
         if row not in table.measured_rows:
             continue
         for name in names:
-            done = subprocess.run([sys.executable, "-m", "experiments.bench", *eager, f"--probe={row}:{name}"], cwd=ROOT,
-                                  capture_output=True, text=True, env=dict(os.environ))  # not what libraries setenv()
-            line = [s for s in done.stdout.splitlines() if s.startswith("PEAK ")]
-            if done.returncode or not line:
-                raise RuntimeError(f"the memory probe {row}:{name} failed:\n{done.stderr[-2000:]}")
-            peaks[(row, name)] = int(line[0].split()[1])
+            with server.Pool(1) as alone:
+                try:
+                    peaks[(row, name)] = alone.apply(probe, (eager, f"{row}:{name}"))
+                except Exception as e:
+                    raise RuntimeError(f"the memory probe {row}:{name} failed: {e!r}") from e
     for r in table.rows:
         for (row, name), peak in peaks.items():
             if r["label"].startswith({"train": "train step, eager", "inference": "inference, eager", "decode": "decode"}[row]) \
@@ -450,9 +454,6 @@ def main(argv):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch._dynamo.config.cache_size_limit = 64  # one compiled graph per model and mode
-    if cfg.probe:
-        print(f"PEAK {probe(cfg.probe, mcfg, cfg, env)}")
-        return
     if "decode" in cfg.row_list and cfg.prompt_tokens + cfg.decode_tokens > mcfg.block_size:
         raise ConfigError(f"prompt_tokens + decode_tokens = {cfg.prompt_tokens + cfg.decode_tokens} is more than "
                           f"block_size={mcfg.block_size}: decoding would measure the sliding window, not the cache")

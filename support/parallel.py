@@ -5,9 +5,9 @@ allocate and initialise the weights, each process drawing the rows it holds (mod
 `local=shard_rows`: the same values a one-process build has there).
 """
 import contextlib
+import sys
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from support.configurator import ConfigError
 
@@ -53,9 +53,16 @@ def shard(model, mp_policy=None):
     return model
 
 
+def is_shard(p):
+    """True for FSDP2's DTensor. torch.distributed.tensor is not imported for it: importing it costs
+    seconds at every start, and a process holds a DTensor only after it has imported it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(p, dtensor.DTensor)
+
+
 def shard_rows(p):
     """(the rows of p this process holds, the first's index): FSDP2 splits dim 0 as torch.chunk."""
-    if not isinstance(p, DTensor):
+    if not is_shard(p):
         return p, 0
     rows = -(-p.size(0) // p.device_mesh.size())
     return p.to_local(), min(p.device_mesh.get_local_rank() * rows, p.size(0))

@@ -24,10 +24,10 @@ path with the gradients of generating the weights in every forward pass.
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.func import functional_call
 
 from model import TimeDependentLinear, TimeDependentNorm, stage_times
+from support import parallel
 from support.configurator import int_range
 from support.model_extras import MAX_STEPS, time_dtype
 
@@ -64,8 +64,9 @@ def average(grads):
 
 def shards(model, dtype=None):
     """FSDP2's part of StepWeights for `model` (the raw module), or None where its hypernetwork is
-    not sharded (one process, DDP). dtype: the compute dtype, in which W is all-gathered."""
-    return Shards(model, dtype) if isinstance(model.hyper.ln_1.G, DTensor) else None
+    not sharded (one process, DDP). dtype: the compute dtype, in which W is all-gathered. (Shards
+    imports torch.distributed.tensor where it uses it: seconds at every start of every run.)"""
+    return Shards(model, dtype) if parallel.is_shard(model.hyper.ln_1.G) else None
 
 
 class Shards:
@@ -83,6 +84,7 @@ class Shards:
     def full(self, p):
         """All of parameter p (a time MLP's), all-gathered; the gradient coming back is each
         process's partial sum, reduce-scattered to the shards."""
+        from torch.distributed.tensor import Partial
         return p.full_tensor(grad_placements=[Partial()])
 
     def columns(self, unit):
@@ -109,6 +111,7 @@ class Shards:
         """Every process's columns, all-gathered in the compute dtype: the whole weights in the
         block's layout, {name: (W (T, out, in), b (T, out) or None)}, as HyperNetwork.forward
         gives them on one process."""
+        from torch.distributed.tensor import DTensor, Shard
         whole = {}
         for name, pair in made.items():
             whole[name] = tuple(None if t is None else DTensor.from_local(
@@ -134,6 +137,7 @@ class Shards:
         """(the generated columns, dL/dW for them) for the pull-back: the sums, averaged over the
         processes and reduce-scattered to each process's columns (Llama's fused q, k, v split to
         their units again)."""
+        from torch.distributed.tensor import DTensor, Partial, Shard
         sums = self.sums
         if "q" in made:  # W_attn(t) = [W_q(t); W_k(t); W_v(t)]: rows of the fused weight
             attn = sums.pop("attn")[0]

@@ -255,7 +255,7 @@ def test_compiled_decoding_gives_the_eager_tokens_without_graph_breaks_or_recomp
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps them
     model = random_model(model_type, flavor).float()
-    steps, solver = ({"euler": 3, "rk4": 2}[solver], solver) if model.cfg.is_ode else (None, None)  # (RK4: 8 evaluations)
+    steps, solver = ({"euler": 3, "rk4": 1}[solver], solver) if model.cfg.is_ode else (None, None)  # (RK4: 4 evaluations)
     eager = generate(model, prompt(3), 2 * BLOCK + 1, temperature=0, steps=steps, solver=solver)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for n in (2 * BLOCK, 2 * BLOCK + 1):  # greedy: the shorter generation is the longer one's start

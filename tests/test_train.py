@@ -784,6 +784,32 @@ def torchrun(tmp_path, *args, out):
     return [json.loads(line) for line in open(tmp_path / out / "log.jsonl")]
 
 
+def test_ddps_reducer_is_freed_before_the_process_group_is_destroyed(tmp_path, shakespeare, monkeypatch):
+    """A DDP wrapper alive when the run leaves its process group frees the group later, in the
+    reducer's destructor, under the GIL: a gloo thread that needs the GIL then hangs the process for
+    ever at the run's end (seen once in this suite). Here a gloo group of one process, as torchrun
+    makes it."""
+    import gc
+    import socket
+    import torch.distributed as dist
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    alive, destroy = [], dist.destroy_process_group
+    DDP = torch.nn.parallel.DistributedDataParallel
+
+    def destroyed(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(isinstance(o, DDP) for o in gc.get_objects()))
+        return destroy(*args, **kwargs)
+    monkeypatch.setattr(dist, "destroy_process_group", destroyed)
+    run(tmp_path, f"--input_file={shakespeare}", "--max_iters=1", "--eval_interval=1", "--eval_iters=1")
+    assert alive == [0] and not dist.is_initialized()
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_match_one(tmp_path, shakespeare, parallel):
     shared = [f"--input_file={shakespeare}", "--max_iters=5", "--eval_interval=5", "--gradient_accumulation_steps=2",
