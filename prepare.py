@@ -109,7 +109,7 @@ def read_prompt(start, usable=100_000):
     --start, analyze.py's --prompt): any readable file, a pipe such as /dev/stdin too, of at most
     MAX_PROMPT_BYTES; past it, the advice keeps the file's last `usable` bytes (as many as the
     caller takes: a token is at least a byte). A UTF-8 byte-order mark at its start (Windows'
-    Notepad writes one) is no part of the text."""
+    Notepad writes one), or the end of a character that `tail -c` cut, is no part of the text."""
     if not start.startswith("FILE:"):
         return start
     path = start[len("FILE:"):]
@@ -129,6 +129,7 @@ def read_prompt(start, usable=100_000):
                "write the prompt into a file and name that")  # (a device, a pipe: it may not end)
         raise UserError(f"prompt file {path} holds more than {MAX_PROMPT_BYTES:,} bytes (1 MiB), "
                         f"more than a prompt can use: {way}")
+    data = data[:3].lstrip(bytes(range(0x80, 0xC0))) + data[3:]  # tail -c cut a character: its rest
     try:  # as open(path, encoding=...) reads text: newlines "\n"; -sig: a byte-order mark dropped
         start = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8-sig").read()
     except UnicodeDecodeError:

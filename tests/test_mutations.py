@@ -2,6 +2,7 @@
 code as it is (an edit that removes an entry's original text fails here at once: update the entry),
 and tests/mutate.py's hand mode itself, on a tiny git repository of its own."""
 import ast
+import functools
 import glob
 import os
 import subprocess
@@ -16,8 +17,9 @@ from conftest import ROOT
 LISTS = sorted(glob.glob(os.path.join(ROOT, "tests", "mutations", "*.toml")))
 
 
+@functools.cache
 def defined_tests(path):
-    """The tests a test file defines, `test_x` and `TestX::test_x`: parsed, not imported."""
+    """The tests a test file defines, `test_x` and `TestX::test_x`: parsed (once), not imported."""
     ids = set()
     for node in ast.parse(open(path).read()).body:
         if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
