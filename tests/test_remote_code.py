@@ -263,7 +263,8 @@ def test_the_shakespeare_tasks_need_the_context_docs_export_md_states(tmp_path):
     hf = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={tmp_path / 'folder'},trust_remote_code=True,prefix_token_id=10,"
                                f"max_length=64", tasks=["shakespeare_choice"], limit=2, device="cpu", log_samples=True,
-        task_manager=lm_eval.tasks.TaskManager(include_path=os.path.join(ROOT, "experiments", "tasks")),
+        task_manager=lm_eval.tasks.TaskManager(include_path=os.path.join(ROOT, "experiments", "tasks"),
+                                                include_defaults=False),  # (lm-eval's own: seconds)
         bootstrap_iters=0)
     with torch.no_grad():
         for doc in hf["samples"]["shakespeare_choice"]:
