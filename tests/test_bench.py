@@ -1,6 +1,7 @@
 """experiments/bench.py: --help, config files, paired interleaving, FLOP counts, and a tiny run with every row."""
 import functools
 import math
+import multiprocessing.pool
 import subprocess
 import sys
 
@@ -88,6 +89,31 @@ def test_a_tiny_run_has_every_row_with_positive_finite_figures(capsys):
                        "decode 8 tokens after 4: ODE recomputed / KV cache",
                        "decode 8 tokens after 4, KV cache, eager (9 rounds): ODE / GPT"]
     assert out.count(": met") + out.count(": MISSED") == 4 and "dense matmul peak" in out
+
+
+def test_each_memory_probe_runs_alone_in_a_fresh_process_and_a_failing_one_is_an_error(monkeypatch):
+    """The probes' processes share nothing of the benchmark's state (a function replaced here is the
+    real one there: they are not forks of this process) nor of each other (a process per probe), and
+    a probe that fails stops the run with its row and model named."""
+    def parents_own(*args, **kwargs):
+        raise RuntimeError("the benchmark process's own probe_fn ran")
+    monkeypatch.setattr(bench, "probe_fn", parents_own)
+    pids, apply = [], multiprocessing.pool.Pool.apply
+
+    def recorded(self, *args, **kwargs):
+        pids.extend(p.pid for p in self._pool)
+        return apply(self, *args, **kwargs)
+    monkeypatch.setattr(multiprocessing.pool.Pool, "apply", recorded)
+    monkeypatch.setattr(bench, "PROBES", {"inference": ("GPT", "ODE")})
+    table = bench.Table()
+    table.rows, table.measured_rows = [dict(label=f"inference, eager: {m}") for m in ("GPT", "ODE")], ["inference"]
+    peaks = bench.measure_memory(TINY, table)
+    assert set(peaks) == {("inference", "GPT"), ("inference", "ODE")} and all(p > 0 for p in peaks.values())
+    assert [r["memory"] for r in table.rows] == [peaks["inference", "GPT"], peaks["inference", "ODE"]]
+    assert len(pids) == len(set(pids)) == 2
+    monkeypatch.setattr(bench, "PROBES", {"inference": ("none such",)})
+    with pytest.raises(RuntimeError, match="^the memory probe inference:none such failed: KeyError"):
+        bench.measure_memory(TINY, table)
 
 
 def test_bad_keys_are_one_line(capsys, monkeypatch):

@@ -198,13 +198,13 @@ def test_a_prompt_file_is_read_up_to_its_bound_in_bytes_and_one_byte_more_is_ref
     (tmp_path / "kept.txt").write_bytes(past.read_bytes()[-block_size:])  # the advice, followed
     kept = prepare.read_prompt(f"FILE:{tmp_path / 'kept.txt'}")
     assert len(prepare.get_tokenizer("byte").encode(kept)) == block_size
-    # the advice followed on text whose characters are 2 to 4 bytes: a cut character's end is dropped
-    text = "é€𝄞" * 99_999
-    (tmp_path / "wide.txt").write_text(text, encoding="utf-8")
-    for usable in (100_000, 100_001, 100_002, 100_003):
-        (tmp_path / "kept.txt").write_bytes((tmp_path / "wide.txt").read_bytes()[-usable:])
-        kept = prepare.read_prompt(f"FILE:{tmp_path / 'kept.txt'}")
-        assert text.endswith(kept) and len(kept.encode()) > usable - 4, usable
+    # the advice followed where tail -c cut a character of 2 to 4 bytes: its end is dropped; a whole
+    # character at the start is kept
+    for char in ("é", "ÿ", "€", "𝄞"):  # (ÿ ends in 0xBF, the last continuation byte)
+        for cut in range(len(char.encode())):
+            (tmp_path / "kept.txt").write_bytes(char.encode()[cut:] + "été".encode())
+            kept = prepare.read_prompt(f"FILE:{tmp_path / 'kept.txt'}")
+            assert kept == ("" if cut else char) + "été", (char, cut)
 
 
 @pytest.mark.parametrize("main,argv,message", [

@@ -784,6 +784,21 @@ def torchrun(tmp_path, *args, out):
     return [json.loads(line) for line in open(tmp_path / out / "log.jsonl")]
 
 
+def test_only_a_sharded_run_imports_torch_distributed_tensor_and_a_plain_tensor_is_no_shard():
+    """torch.distributed.tensor costs seconds at every start: the scripts do not import it, and a
+    one-process model's parameters are whole (shard_rows: all rows, from 0), before and after it is
+    imported (FSDP2's shards: tests/test_scale.py)."""
+    code = ("import sys, torch, train, finetune, sample, analyze, export; from support import parallel, weightgen; "
+            "p = torch.zeros(3); rows, first = parallel.shard_rows(p); assert rows is p and first == 0; "
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.tensor')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "[]\n", done.stderr[-2000:]
+    import torch.distributed.tensor  # noqa: F401
+    p = torch.zeros(3)
+    rows, first = parallel.shard_rows(p)
+    assert rows is p and first == 0 and not parallel.is_shard(p)
+
+
 def test_ddps_reducer_is_freed_before_the_process_group_is_destroyed(tmp_path, shakespeare, monkeypatch):
     """A DDP wrapper alive when the run leaves its process group frees the group later, in the
     reducer's destructor, under the GIL: a gloo thread that needs the GIL then hangs the process for
