@@ -68,6 +68,19 @@ def shakespeare():
 
 
 @pytest.fixture
+def one_process_group(monkeypatch):
+    """torchrun's environment for a process group of one (rank 0 of 1, gloo on a free local port):
+    train.main in this process then runs as a torchrun rank does (DDP, teardown)."""
+    import socket
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
 def tf32_restored():
     """torch's TF32 switches (cuBLAS, cuDNN), put back after the test as they were before it: common.setup
     turns them on for CUDA. Not with monkeypatch: pytest 9 undoes a setattr on them with delattr, as

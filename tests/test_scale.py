@@ -5,7 +5,6 @@ checkpoints of the new path resume exactly and convert, the memory check refuses
 iteration moves the bytes it should."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -462,19 +461,15 @@ def test_weights_once_per_step_move_at_most_twice_the_bytes_of_gpt(bytes_moved, 
     assert once <= 2 * gpt and before > 2.5 * gpt, got
 
 
-def test_bench_scales_memory_probe_records_its_peak_beside_the_plan(tmp_path, shakespeare, monkeypatch):
+def test_bench_scales_memory_probe_records_its_peak_beside_the_plan(tmp_path, shakespeare, monkeypatch,
+                                                                   one_process_group):
     """experiments.bench_scale --what=memory: each torchrun process (here the one, rank 0 of 1) trains,
     then records its peak RSS beside support/memory.py's plan of the same run (its own memory() shadowed
     the module: an AttributeError in every probe)."""
     from experiments import bench_scale
     monkeypatch.setattr(bench_scale.resume, "save_run", bench_scale.resume.save_run)  # the probe stubs both
     monkeypatch.setattr(bench_scale.plots, "loss_curve", bench_scale.plots.loss_curve)
-    with socket.socket() as free:  # a process group of one (gloo), as torchrun makes it
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    for name, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port), RESULT_DIR=str(tmp_path)).items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RESULT_DIR", str(tmp_path))
     args = [*bench_scale.MEMORY_SHAPES["C"], f"--input_file={shakespeare}", f"--data_root={tmp_path / 'data'}",
             f"--out_dir={tmp_path / 'out'}", "--max_iters=1", "--eval_interval=100", "--eval_iters=1", "--device=cpu"]
     bench_scale.memory_probe(None, args)

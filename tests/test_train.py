@@ -799,20 +799,14 @@ def test_only_a_sharded_run_imports_torch_distributed_tensor_and_a_plain_tensor_
     assert rows is p and first == 0 and not parallel.is_shard(p)
 
 
-def test_ddps_reducer_is_freed_before_the_process_group_is_destroyed(tmp_path, shakespeare, monkeypatch):
+def test_ddps_reducer_is_freed_before_the_process_group_is_destroyed(tmp_path, shakespeare, monkeypatch,
+                                                                    one_process_group):
     """A DDP wrapper alive when the run leaves its process group frees the group later, in the
     reducer's destructor, under the GIL: a gloo thread that needs the GIL then hangs the process for
     ever at the run's end (seen once in this suite). Here a gloo group of one process, as torchrun
     makes it."""
     import gc
-    import socket
     import torch.distributed as dist
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    for name, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
-        monkeypatch.setenv(name, value)
     alive, destroy = [], dist.destroy_process_group
     DDP = torch.nn.parallel.DistributedDataParallel
 
